@@ -1,0 +1,430 @@
+"""The E2B REST API (control plane) on Quart-Trio.
+
+Routes and bodies follow the `e2b` SDKs' generated clients: v1 and v2 create,
+list (with state/metadata filters and `x-next-token` pagination), detail,
+kill, timeout, refresh, network, metrics, logs, connect and templates. Every
+route but `/health` needs `X-API-Key`, compared in constant time. Errors are
+E2B's `{"code", "message"}` bodies with its status codes; a feature this node
+cannot honour yet is refused with 400 (or 501 for whole endpoints), never
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from aenv.api import views
+from aenv.kit.mailbox import ActorGone, Busy
+from aenv.node.node import Node, SandboxNotFound
+from aenv.node.sandbox import (
+    ExtendTimeout,
+    GetUsage,
+    SandboxActor,
+    SandboxNotRunning,
+    SetNetwork,
+    SetTimeout,
+)
+from aenv.proto import requests as rq
+from aenv.proto.ids import InvalidName, is_sandbox_id
+from aenv.storage.templates import TemplateNotFound
+
+log = logging.getLogger("aenv.api")
+
+V2_PAGE_DEFAULT = 100
+V2_PAGE_MAX = 1000
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+def error_response(status: int, message: str, retry_after: float | None = None) -> Response:
+    resp = Response(
+        json.dumps({"code": status, "message": message}),
+        status=status,
+        content_type="application/json",
+    )
+    if retry_after is not None:
+        resp.headers["Retry-After"] = str(max(1, round(retry_after)))
+    return resp
+
+
+def _json(value: object, status: int = 200) -> Response:
+    return Response(json.dumps(value), status=status, content_type="application/json")
+
+
+def _no_content() -> Response:
+    return Response("", status=204)
+
+
+async def _body() -> Any:
+    data = await request.get_data(as_text=False)
+    if not data:
+        return None
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+
+def _metadata_filter(raw: str | None) -> dict[str, str]:
+    """`metadata=k1%3Dv1%26k2%3Dv2` (the SDK url-encodes a query string)."""
+    if not raw:
+        return {}
+    out: dict[str, str] = {}
+    for k, v in urllib.parse.parse_qsl(raw, keep_blank_values=True):
+        out[k] = v
+    if not out:
+        raise ApiError(400, "metadata filter must look like key=value&key2=value2")
+    return out
+
+
+def _matches(a: SandboxActor, meta: dict[str, str]) -> bool:
+    return all(a.metadata.get(k) == v for k, v in meta.items())
+
+
+def _visible(a: SandboxActor) -> bool:
+    return a.state.value in ("running", "paused")
+
+
+def create_app(node: Node) -> QuartTrio:
+    app = QuartTrio("aenv")
+    app.config["MAX_CONTENT_LENGTH"] = node.config.max_body_bytes
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    key = node.api_key.encode()
+    domain = node.config.domain
+
+    def sandbox(sandbox_id: str) -> SandboxActor:
+        if not is_sandbox_id(sandbox_id):
+            raise ApiError(404, f"sandbox {sandbox_id!r} not found")
+        try:
+            a = node.get(sandbox_id)
+        except SandboxNotFound as e:
+            raise ApiError(404, str(e)) from None
+        if not _visible(a):
+            raise ApiError(404, f"sandbox {sandbox_id!r} not found")
+        return a
+
+    async def ask(a: SandboxActor, msg: Any) -> Any:
+        try:
+            return await a.mailbox.ask(msg, timeout=60)
+        except ActorGone:
+            raise ApiError(404, f"sandbox {a.sandbox_id!r} not found") from None
+        except SandboxNotRunning as e:
+            raise ApiError(409, str(e)) from None
+
+    @app.before_request
+    async def _auth() -> Response | None:
+        if request.path == "/health":
+            return None
+        given = request.headers.get("X-API-Key", "")
+        if not given:
+            auth = request.headers.get("Authorization", "")
+            if auth.lower().startswith("bearer "):
+                given = auth[7:].strip()
+        if not hmac.compare_digest(given.encode(), key):
+            return error_response(401, "Invalid API key" if given else "Missing X-API-Key header")
+        return None
+
+    @app.after_request
+    async def _count(resp: Response) -> Response:
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        node.m_requests.inc(route=rule, method=request.method, status=str(resp.status_code))
+        return resp
+
+    @app.errorhandler(ApiError)
+    async def _api_error(e: ApiError) -> Response:
+        return error_response(e.status, e.message, e.retry_after)
+
+    @app.errorhandler(Busy)
+    async def _busy(e: Busy) -> Response:
+        return error_response(429, str(e), e.retry_after)
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(e: HTTPException) -> Response:
+        status = e.code or 500
+        msg = {413: "request body too large", 404: "not found", 405: "method not allowed"}.get(
+            status, e.description or e.name
+        )
+        return error_response(status, msg)
+
+    @app.errorhandler(Exception)
+    async def _unexpected(e: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+    # -- health and metrics ---------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(node.metrics.render(), content_type="text/plain; version=0.0.4")
+
+    # -- sandboxes ------------------------------------------------------------
+
+    async def create() -> Response:
+        try:
+            req = rq.parse_new_sandbox(await _body(), node.limits)
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        try:
+            a = await node.create(req)
+        except TemplateNotFound:
+            raise ApiError(404, f"template {req.template!r} not found") from None
+        except InvalidName as e:
+            raise ApiError(400, str(e)) from None
+        except Busy:
+            raise
+        except Exception as e:
+            log.exception("create failed")
+            raise ApiError(500, f"failed to create sandbox: {e}") from None
+        return _json(views.sandbox_created(a, domain), 201)
+
+    app.add_url_rule("/sandboxes", "create_v1", create, methods=["POST"])
+    app.add_url_rule("/v2/sandboxes", "create_v2", create, methods=["POST"])
+
+    @app.get("/sandboxes")
+    async def list_v1() -> Response:
+        meta = _metadata_filter(request.args.get("metadata"))
+        return _json(
+            [views.sandbox_listed(a) for a in node.list() if _visible(a) and _matches(a, meta)]
+        )
+
+    @app.get("/v2/sandboxes")
+    async def list_v2() -> Response:
+        meta = _metadata_filter(request.args.get("metadata"))
+        states = {s for s in request.args.get("state", "").split(",") if s}
+        bad = states - {"running", "paused"}
+        if bad:
+            raise ApiError(400, f"unknown state filter {sorted(bad)}: use running and/or paused")
+        try:
+            limit = int(request.args.get("limit", V2_PAGE_DEFAULT))
+        except ValueError:
+            raise ApiError(400, "limit must be an integer") from None
+        if not 1 <= limit <= V2_PAGE_MAX:
+            raise ApiError(400, f"limit must be between 1 and {V2_PAGE_MAX}")
+        items = [
+            a
+            for a in node.list()
+            if _visible(a) and _matches(a, meta) and (not states or views.api_state(a) in states)
+        ]
+        token = request.args.get("nextToken")
+        if token:
+            try:
+                after = json.loads(base64.urlsafe_b64decode(token.encode()))
+                cursor = (float(after[0]), str(after[1]))
+            except (ValueError, TypeError, IndexError, KeyError):
+                raise ApiError(400, "invalid nextToken") from None
+            items = [a for a in items if (a.started_at, a.sandbox_id) > cursor]
+        page = items[:limit]
+        resp = _json([views.sandbox_listed(a) for a in page])
+        if len(items) > limit:
+            last = page[-1]
+            resp.headers["x-next-token"] = base64.urlsafe_b64encode(
+                json.dumps([last.started_at, last.sandbox_id]).encode()
+            ).decode()
+        return resp
+
+    @app.get("/sandboxes/metrics")
+    async def list_metrics() -> Response:
+        ids = [s for s in request.args.get("sandbox_ids", "").split(",") if s]
+        out: dict[str, Any] = {}
+        for sid in ids[:100]:
+            try:
+                a = sandbox(sid)
+            except ApiError:
+                continue
+            out[sid] = await _metric(a)
+        return _json({"sandboxes": out})
+
+    async def _metric(a: SandboxActor) -> dict[str, Any]:
+        usage = await ask(a, GetUsage())
+        disk = await trio.to_thread.run_sync(_dir_size, a.workdir / "disk" / "upper")
+        return views.metric(a, usage, time.time(), disk)
+
+    @app.get("/sandboxes/<sandbox_id>")
+    async def detail(sandbox_id: str) -> Response:
+        return _json(views.sandbox_detail(sandbox(sandbox_id), domain))
+
+    @app.delete("/sandboxes/<sandbox_id>")
+    async def kill(sandbox_id: str) -> Response:
+        a = sandbox(sandbox_id)
+        try:
+            await node.kill(a.sandbox_id)
+        except (SandboxNotFound, ActorGone):
+            raise ApiError(404, f"sandbox {sandbox_id!r} not found") from None
+        return _no_content()
+
+    @app.post("/sandboxes/<sandbox_id>/timeout")
+    async def set_timeout(sandbox_id: str) -> Response:
+        a = sandbox(sandbox_id)
+        try:
+            timeout = rq.parse_timeout_request(await _body(), node.limits)
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        await ask(a, SetTimeout(timeout))
+        return _no_content()
+
+    @app.post("/sandboxes/<sandbox_id>/refreshes")
+    async def refresh(sandbox_id: str) -> Response:
+        a = sandbox(sandbox_id)
+        try:
+            duration = rq.parse_refresh(await _body(), node.limits)
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        await ask(a, ExtendTimeout(duration))
+        return _no_content()
+
+    @app.put("/sandboxes/<sandbox_id>/network")
+    async def network(sandbox_id: str) -> Response:
+        a = sandbox(sandbox_id)
+        try:
+            policy, allow_internet = rq.parse_network_update(await _body())
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        await ask(a, SetNetwork(policy, allow_internet))
+        return _no_content()
+
+    @app.get("/sandboxes/<sandbox_id>/metrics")
+    async def sandbox_metrics(sandbox_id: str) -> Response:
+        return _json([await _metric(sandbox(sandbox_id))])
+
+    @app.get("/sandboxes/<sandbox_id>/logs")
+    async def logs_v1(sandbox_id: str) -> Response:
+        a = sandbox(sandbox_id)
+        try:
+            limit = int(request.args.get("limit", 1000))
+            start_ms = int(request.args.get("start", 0))
+        except ValueError:
+            raise ApiError(400, "start and limit must be integers") from None
+        entries = [e for e in a.logs() if e.timestamp * 1000 >= start_ms]
+        console = a.console_tail()
+        now = views.iso(time.time())
+        return _json(
+            {
+                "logs": [{"timestamp": views.iso(e.timestamp), "line": e.message} for e in entries][
+                    -limit:
+                ]
+                + [{"timestamp": now, "line": line} for line in console][-limit:],
+                "logEntries": [views.log_entry(e) for e in entries][-limit:],
+            }
+        )
+
+    @app.get("/v2/sandboxes/<sandbox_id>/logs")
+    async def logs_v2(sandbox_id: str) -> Response:
+        a = sandbox(sandbox_id)
+        try:
+            limit = int(request.args.get("limit", 1000))
+        except ValueError:
+            raise ApiError(400, "limit must be an integer") from None
+        level = request.args.get("level")
+        search = request.args.get("search")
+        entries = a.logs()
+        if level:
+            order = ["debug", "info", "warn", "error"]
+            if level not in order:
+                raise ApiError(400, f"unknown level {level!r}")
+            entries = [e for e in entries if order.index(e.level) >= order.index(level)]
+        if search:
+            entries = [e for e in entries if search in e.message]
+        if request.args.get("direction") == "backward":
+            entries = entries[::-1]
+        return _json({"logs": [views.log_entry(e) for e in entries[:limit]]})
+
+    async def connect(sandbox_id: str) -> Response:
+        try:
+            timeout = rq.parse_connect(await _body(), node.limits)
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        a = sandbox(sandbox_id)
+        await ask(a, ExtendTimeout(timeout))
+        return _json(views.sandbox_created(a, domain), 200)
+
+    app.add_url_rule("/sandboxes/<sandbox_id>/connect", "connect_v1", connect, methods=["POST"])
+    app.add_url_rule("/v2/sandboxes/<sandbox_id>/connect", "connect_v2", connect, methods=["POST"])
+
+    def not_yet(what: str) -> Callable[..., Awaitable[Response]]:
+        async def handler(**kw: str) -> Response:
+            sid = kw.get("sandbox_id")
+            if sid is not None:
+                sandbox(sid)
+            raise ApiError(501, f"{what} is not supported by this node yet")
+
+        return handler
+
+    for path, what in [
+        ("/sandboxes/<sandbox_id>/pause", "pause"),
+        ("/sandboxes/<sandbox_id>/resume", "resume"),
+        ("/sandboxes/<sandbox_id>/fork", "fork"),
+        ("/sandboxes/<sandbox_id>/snapshots", "snapshots"),
+    ]:
+        app.add_url_rule(path, f"not_yet_{what}", not_yet(what), methods=["POST"])
+
+    # -- templates ------------------------------------------------------------
+
+    def template(name: str) -> Any:
+        try:
+            return node.templates.resolve(name)
+        except InvalidName as e:
+            raise ApiError(400, str(e)) from None
+        except TemplateNotFound:
+            raise ApiError(404, f"template {name!r} not found") from None
+
+    @app.get("/templates")
+    async def templates_v1() -> Response:
+        return _json([t.to_api() for t in node.templates.list()])
+
+    @app.get("/v2/templates")
+    async def templates_v2() -> Response:
+        return _json([t.to_api() for t in node.templates.list()])
+
+    @app.get("/templates/<template_id>")
+    async def template_detail(template_id: str) -> Response:
+        return _json(views.template_with_builds(template(template_id)))
+
+    @app.get("/templates/aliases/<alias>")
+    async def template_alias(alias: str) -> Response:
+        t = template(alias)
+        return _json({"templateID": t.template_id, "public": t.public})
+
+    @app.delete("/templates/<template_id>")
+    async def template_delete(template_id: str) -> Response:
+        t = template(template_id)
+        if any(a.template.template_id == t.template_id for a in node.list()):
+            raise ApiError(409, f"template {template_id!r} is in use by running sandboxes")
+        await trio.to_thread.run_sync(node.templates.delete, t.template_id)
+        return _no_content()
+
+    return app
+
+
+def _dir_size(path: Path) -> int:
+    """Bytes allocated under `path` (the sandbox's writable layer)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+    return total

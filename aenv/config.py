@@ -1,0 +1,89 @@
+"""Node configuration: one frozen value built from the environment and flags.
+
+Every setting has an environment variable (`AENV_*`); the CLI may override
+them. Paths all hang off `home` so a test can run a whole node in a temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _default_home() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/aenv")
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "aenv"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    home: Path = field(default_factory=_default_home)
+    listen: str = "127.0.0.1:8000"
+    api_key: str | None = None
+    # Domain the SDK uses for host routing: `{port}-{sandboxID}.{domain}`.
+    domain: str | None = None
+    runtime: str = "gvisor"
+    runsc_platform: str = "ptrace"
+    runsc_binary: str = "runsc"
+    # IPv4 /16 the network slots are carved from (one /30 per sandbox).
+    slot_cidr: str = "10.231.0.0/16"
+    # Prefix of netns/veth names and name of the nftables table (one per node).
+    net_prefix: str = "aenv"
+    default_timeout_s: int = 300
+    max_timeout_s: int = 24 * 3600
+    max_sandboxes: int = 256
+    default_cpu: int = 2
+    default_memory_mb: int = 512
+    node_tag: str = "n0"
+    max_body_bytes: int = 1 << 20
+
+    @property
+    def state_dir(self) -> Path:
+        return self.home / "state"
+
+    @property
+    def secrets_dir(self) -> Path:
+        return self.home / "secrets"
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.home / "templates"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.home / "sandboxes"
+
+    @property
+    def bundle_dir(self) -> Path:
+        return self.home / "bundle"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> Config:
+        env = dict(os.environ if env is None else env)
+        kw: dict[str, object] = {}
+        if "AENV_HOME" in env:
+            kw["home"] = Path(env["AENV_HOME"])
+        if "AENV_LISTEN" in env:
+            kw["listen"] = env["AENV_LISTEN"]
+        if env.get("AENV_API_KEY"):
+            kw["api_key"] = env["AENV_API_KEY"]
+        if "AENV_DOMAIN" in env:
+            kw["domain"] = env["AENV_DOMAIN"]
+        if "AENV_RUNSC_PLATFORM" in env:
+            kw["runsc_platform"] = env["AENV_RUNSC_PLATFORM"]
+        if "AENV_RUNSC" in env:
+            kw["runsc_binary"] = env["AENV_RUNSC"]
+        if "AENV_SLOT_CIDR" in env:
+            kw["slot_cidr"] = env["AENV_SLOT_CIDR"]
+        if "AENV_NET_PREFIX" in env:
+            kw["net_prefix"] = env["AENV_NET_PREFIX"]
+        if "AENV_NODE_TAG" in env:
+            kw["node_tag"] = env["AENV_NODE_TAG"]
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""trio building blocks with no other aenv imports: mailboxes, busy errors, metrics."""

@@ -1,0 +1,1 @@
+"""The node: a supervisor owning one actor per sandbox, plus the shared services."""

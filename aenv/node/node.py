@@ -1,0 +1,214 @@
+"""The Node supervisor: owns the sandbox table and every sandbox actor.
+
+`open_node(config)` sets up the node-wide services (API key, host network,
+runtime, template store, HTTP client to the sandboxes), reaps what an earlier
+crashed process left behind, and yields a `Node`. Sandbox actors run in the
+node's nursery; leaving the block cancels them, and each tears its sandbox
+down in its own `finally`. The table is only mutated by this module, from
+synchronous code, so trio's cooperative scheduling keeps it consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import trio
+
+from aenv.config import Config
+from aenv.kit.mailbox import Busy
+from aenv.kit.metrics import Registry
+from aenv.node.sandbox import SandboxActor
+from aenv.proto import ids
+from aenv.proto.requests import Limits, NewSandbox
+from aenv.runtimes.base import Runtime
+from aenv.runtimes.gvisor import GVisorRuntime
+from aenv.runtimes.netns import HostNetwork, open_host_network
+from aenv.storage.overlay import reap_stale_mounts
+from aenv.storage.templates import TemplateStore
+
+log = logging.getLogger("aenv.node")
+
+
+class SandboxNotFound(LookupError):
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(f"sandbox {sandbox_id!r} not found")
+        self.sandbox_id = sandbox_id
+
+
+def ensure_api_key(config: Config) -> str:
+    """The configured key, else the one in secrets/api-key, else a new one written 0600."""
+    if config.api_key:
+        return config.api_key
+    path = config.secrets_dir / "api-key"
+    try:
+        key = path.read_text().strip()
+        if key:
+            return key
+    except FileNotFoundError:
+        pass
+    config.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = "aenv_" + secrets.token_hex(20)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return key
+
+
+class Node:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        runtime: Runtime,
+        network: HostNetwork,
+        templates: TemplateStore,
+        http: httpx.AsyncClient,
+        nursery: trio.Nursery,
+        api_key: str,
+    ) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.network = network
+        self.templates = templates
+        self.http = http
+        self.api_key = api_key
+        self.limits = Limits(
+            max_timeout_s=config.max_timeout_s, default_timeout_s=config.default_timeout_s
+        )
+        self._nursery = nursery
+        self._sandboxes: dict[str, SandboxActor] = {}
+        self.metrics = Registry()
+        self.m_created = self.metrics.counter("aenv_sandboxes_created_total", "Sandboxes created")
+        self.m_create_failed = self.metrics.counter(
+            "aenv_sandbox_create_failures_total", "Sandbox creations that failed"
+        )
+        self.m_stopped = self.metrics.counter(
+            "aenv_sandboxes_stopped_total", "Sandboxes stopped, by reason"
+        )
+        self.metrics.gauge(
+            "aenv_sandboxes",
+            "Sandboxes on this node, by state",
+            callback=self._state_counts,
+        )
+        self.m_requests = self.metrics.counter(
+            "aenv_http_requests_total", "REST API requests by route and status"
+        )
+        self.m_proxied = self.metrics.counter(
+            "aenv_proxy_requests_total", "Requests proxied into sandboxes, by kind"
+        )
+
+    def _state_counts(self) -> list[tuple[tuple[tuple[str, str], ...], float]]:
+        counts: dict[str, int] = {}
+        for a in self._sandboxes.values():
+            counts[a.state.value] = counts.get(a.state.value, 0) + 1
+        return [((("state", k),), float(v)) for k, v in sorted(counts.items())]
+
+    # -- table ---------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxActor:
+        actor = self._sandboxes.get(sandbox_id)
+        if actor is None:
+            raise SandboxNotFound(sandbox_id)
+        return actor
+
+    def list(self) -> list[SandboxActor]:
+        return sorted(self._sandboxes.values(), key=lambda a: (a.started_at, a.sandbox_id))
+
+    def _forget(self, actor: SandboxActor) -> None:
+        if self._sandboxes.get(actor.sandbox_id) is actor:
+            del self._sandboxes[actor.sandbox_id]
+            reason = actor.lifecycle.reason.name.lower() if actor.lifecycle.reason else "unknown"
+            self.m_stopped.inc(reason=reason)
+        shutil.rmtree(actor.workdir, ignore_errors=True)
+
+    # -- operations ----------------------------------------------------------
+
+    async def create(self, req: NewSandbox) -> SandboxActor:
+        template = self.templates.resolve(req.template)
+        if len(self._sandboxes) >= self.config.max_sandboxes:
+            raise Busy("node (sandbox limit reached)", retry_after=5.0)
+        sandbox_id = ids.new_sandbox_id(self.config.node_tag)
+        actor = SandboxActor(self, sandbox_id, template, req)
+        self._sandboxes[sandbox_id] = actor
+        try:
+            await self._nursery.start(self._supervise, actor)
+        except BaseException:
+            self._sandboxes.pop(sandbox_id, None)
+            self.m_create_failed.inc()
+            raise
+        self.m_created.inc()
+        return actor
+
+    async def _supervise(
+        self, actor: SandboxActor, *, task_status: trio.TaskStatus[SandboxActor]
+    ) -> None:
+        try:
+            await actor.run(task_status=task_status)
+        except Exception:
+            # Before `started` the error reaches the creator through nursery.start;
+            # after it, it must never take the node down.
+            if not actor.was_started:
+                raise
+            log.exception("sandbox %s crashed", actor.sandbox_id)
+
+    async def kill(self, sandbox_id: str) -> None:
+        from aenv.node.sandbox import Kill
+
+        actor = self.get(sandbox_id)
+        await actor.mailbox.ask(Kill(), timeout=120)
+        await actor.stopped.wait()
+
+
+@asynccontextmanager
+async def open_node(config: Config) -> AsyncIterator[Node]:
+    for d in (config.home, config.sandboxes_dir, config.run_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    os.chmod(config.home, 0o711)
+    api_key = ensure_api_key(config)
+    runtime = GVisorRuntime(
+        runsc=config.runsc_binary,
+        platform=config.runsc_platform,
+        state_root=config.run_dir / "runsc",
+        cgroup_parent=config.net_prefix,
+    )
+    await runtime.reap_stale()
+    await trio.to_thread.run_sync(reap_stale_mounts, config.sandboxes_dir)
+    _clear_dir(config.sandboxes_dir)
+    templates = TemplateStore(config.templates_dir)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with (
+        open_host_network(
+            cidr=config.slot_cidr, prefix=config.net_prefix, table=config.net_prefix
+        ) as network,
+        httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0), trust_env=False) as http,
+        trio.open_nursery() as nursery,
+    ):
+        node = Node(
+            config=config,
+            runtime=runtime,
+            network=network,
+            templates=templates,
+            http=http,
+            nursery=nursery,
+            api_key=api_key,
+        )
+        try:
+            yield node
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def _clear_dir(path: Path) -> None:
+    for child in path.iterdir():
+        shutil.rmtree(child, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Sans-IO protocol cores: pure data and functions, no trio, no sockets."""

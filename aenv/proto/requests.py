@@ -1,0 +1,184 @@
+"""Parsing and validation of E2B REST request bodies (sans-IO).
+
+Each `parse_*` takes the decoded JSON value and returns a frozen request or
+raises `BadRequest` with a message a user can act on. A field aenv knows but
+cannot honour yet (e.g. `autoPause: true` before pause exists, volume mounts,
+an egress proxy) is refused here, never silently dropped. Unknown fields are
+ignored, as E2B's API does, so newer SDKs keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aenv.proto.ids import InvalidName, check_name
+from aenv.proto.netpolicy import EgressPolicy, PolicyError
+
+MAX_METADATA_ITEMS = 64
+MAX_ENV_ITEMS = 512
+MAX_KEY = 256
+MAX_VALUE = 16 * 1024
+
+
+class BadRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    max_timeout_s: int = 24 * 3600
+    default_timeout_s: int = 300
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewSandbox:
+    template: str
+    timeout_s: int
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    env_vars: Mapping[str, str] = field(default_factory=dict)
+    policy: EgressPolicy = field(default_factory=EgressPolicy)
+    allow_internet_access: bool | None = None
+    allow_public_traffic: bool = True
+    auto_pause: bool = False
+
+
+def _obj(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise BadRequest(f"{what} must be a JSON object")
+    return value
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise BadRequest(f"{key} must be a boolean")
+    return v
+
+
+def _str_map(value: object, what: str, max_items: int) -> dict[str, str]:
+    if value is None:
+        return {}
+    m = _obj(value, what)
+    if len(m) > max_items:
+        raise BadRequest(f"{what} has more than {max_items} entries")
+    out: dict[str, str] = {}
+    for k, v in m.items():
+        if not isinstance(v, str):
+            raise BadRequest(f"{what}[{k!r}] must be a string")
+        if not k or len(k) > MAX_KEY or len(v) > MAX_VALUE or "\0" in k or "\0" in v:
+            raise BadRequest(f"{what}[{k!r}] is empty, too long or contains NUL")
+        out[k] = v
+    return out
+
+
+def parse_timeout(value: object, limits: Limits, *, key: str = "timeout") -> int:
+    if value is None:
+        return limits.default_timeout_s
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be an integer number of seconds")
+    if value < 0:
+        raise BadRequest(f"{key} must not be negative")
+    if value > limits.max_timeout_s:
+        raise BadRequest(f"{key} must be at most {limits.max_timeout_s} seconds")
+    return value
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    if body.get("autoPause") is True:
+        raise BadRequest("autoPause is not supported by this node yet (pause is not available)")
+    auto_resume = body.get("autoResume")
+    if auto_resume is not None and _obj(auto_resume, "autoResume").get("enabled") is True:
+        raise BadRequest("autoResume is not supported by this node yet")
+    if body.get("mcp") not in (None, {}):
+        raise BadRequest("mcp is not supported by this node")
+    if body.get("volumeMounts") not in (None, []):
+        raise BadRequest("volumeMounts are not supported by this node")
+    iam = body.get("iam")
+    if iam is not None and _obj(iam, "iam").get("tokens") not in (None, {}):
+        raise BadRequest("iam workload identity is not supported by this node")
+
+
+def _refuse_unsupported_network(net: Mapping[str, Any]) -> None:
+    if net.get("egressProxy") is not None:
+        raise BadRequest("network.egressProxy is not supported by this node")
+    if net.get("maskRequestHost") is not None:
+        raise BadRequest("network.maskRequestHost is not supported by this node")
+    if net.get("httpsPorts") not in (None, []):
+        raise BadRequest("network.httpsPorts is not supported by this node")
+    if net.get("rules") not in (None, {}):
+        raise BadRequest("network.rules (egress request transforms) are not supported by this node")
+
+
+def _policy(allow_internet: bool | None, net: Mapping[str, Any] | None) -> EgressPolicy:
+    try:
+        return EgressPolicy.from_request(allow_internet_access=allow_internet, network=net)
+    except PolicyError as e:
+        raise BadRequest(str(e)) from None
+
+
+def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
+    b = _obj(body, "request body")
+    template = b.get("templateID")
+    if not isinstance(template, str) or not template:
+        raise BadRequest("templateID is required and must be a string")
+    try:
+        check_name(template, "templateID")
+    except InvalidName as e:
+        raise BadRequest(str(e)) from None
+    _refuse_unsupported(b)
+    allow_internet = _bool(b, "allow_internet_access")
+    net_raw = b.get("network")
+    net = None if net_raw is None else _obj(net_raw, "network")
+    allow_public = True
+    if net is not None:
+        _refuse_unsupported_network(net)
+        v = net.get("allowPublicTraffic")
+        if v is not None:
+            if not isinstance(v, bool):
+                raise BadRequest("network.allowPublicTraffic must be a boolean")
+            allow_public = v
+    return NewSandbox(
+        template=template,
+        timeout_s=parse_timeout(b.get("timeout"), limits),
+        metadata=_str_map(b.get("metadata"), "metadata", MAX_METADATA_ITEMS),
+        env_vars=_str_map(b.get("envVars"), "envVars", MAX_ENV_ITEMS),
+        policy=_policy(allow_internet, net),
+        allow_internet_access=allow_internet,
+        allow_public_traffic=allow_public,
+        auto_pause=bool(b.get("autoPause") or False),
+    )
+
+
+def parse_timeout_request(body: object, limits: Limits) -> int:
+    b = _obj(body, "request body")
+    if "timeout" not in b:
+        raise BadRequest("timeout is required")
+    return parse_timeout(b["timeout"], limits)
+
+
+def parse_refresh(body: object, limits: Limits) -> int:
+    if body is None:
+        return limits.default_timeout_s
+    b = _obj(body, "request body")
+    return parse_timeout(b.get("duration"), limits, key="duration")
+
+
+def parse_network_update(body: object) -> tuple[EgressPolicy, bool | None]:
+    """PUT /sandboxes/{id}/network: omitted fields clear (E2B semantics)."""
+    b = _obj(body, "request body")
+    _refuse_unsupported_network(b)
+    allow_internet = _bool(b, "allow_internet_access")
+    return _policy(allow_internet, b), allow_internet
+
+
+def parse_connect(body: object, limits: Limits) -> int:
+    if body is None:
+        return limits.default_timeout_s
+    b = _obj(body, "request body")
+    if b.get("memory") is False:
+        raise BadRequest("memory: false (cold boot from disk) is not supported by this node yet")
+    return parse_timeout(b.get("timeout"), limits)

@@ -1,0 +1,164 @@
+"""Shared fixtures: a real node process driven over HTTP.
+
+Rules for tests using `node`: the node runs as a separate `aenv serve`
+process on a loopback port (port 0 is not possible for a subprocess, so a
+free port is picked), with `AENV_TEST_HOME` (built by `make test`: envd
+bundle and templates) as its home, its own netns prefix and slot range so it
+never touches a node started with `make serve`. The session ends with a leak
+check: no runsc process, netns, veth, nft table or mount of that node remains.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NET_PREFIX = "aenvt"
+SLOT_CIDR = "10.233.0.0/16"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_home() -> Path | None:
+    raw = os.environ.get("AENV_TEST_HOME")
+    if not raw:
+        return None
+    home = Path(raw)
+    if not (home / "bundle").is_dir() or not (home / "templates").is_dir():
+        return None
+    return home
+
+
+@dataclass
+class NodeProc:
+    url: str
+    api_key: str
+    home: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def start_node(
+    home: Path, *, api_key: str, log_path: Path, extra_env: dict[str, str] | None = None
+) -> NodeProc:
+    port = free_port()
+    env = dict(os.environ)
+    env.update(
+        {
+            "AENV_HOME": str(home),
+            "AENV_LISTEN": f"127.0.0.1:{port}",
+            "AENV_API_KEY": api_key,
+            "AENV_NET_PREFIX": NET_PREFIX,
+            "AENV_SLOT_CIDR": SLOT_CIDR,
+            "AENV_NODE_TAG": "test",
+        }
+    )
+    env.update(extra_env or {})
+    logf = log_path.open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aenv", "serve", "--log-level", "info"],
+        env=env,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    logf.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"node exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            )
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return NodeProc(url, api_key, home, proc, log_path)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"node did not answer /health in 60s:\n{log_path.read_text()[-4000:]}")
+
+
+def stop_node(node: NodeProc, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    node.proc.send_signal(sig)
+    try:
+        return node.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        node.proc.kill()
+        node.proc.wait()
+        raise
+
+
+def leaks(home: Path, prefix: str = NET_PREFIX) -> list[str]:
+    found: list[str] = []
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    found += [line for line in ps.splitlines() if "runsc" in line and str(home) in line]
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found += [f"netns {line}" for line in netns.splitlines() if line.startswith(prefix + "-")]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    found += [
+        f"link {line.split(':')[1].strip()}" for line in links.splitlines() if f" {prefix}h" in line
+    ]
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    found += [f"nft {line}" for line in tables.splitlines() if line.split()[-1:] == [prefix]]
+    mounts = Path("/proc/mounts").read_text()
+    found += [f"mount {line}" for line in mounts.splitlines() if str(home) in line]
+    return found
+
+
+requires_node = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("runsc") is None or test_home() is None,
+    reason="needs root, runsc and AENV_TEST_HOME built by `make test`",
+)
+
+
+@pytest.fixture(scope="session")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
+    home = test_home()
+    if home is None or os.geteuid() != 0:
+        pytest.skip("needs root and AENV_TEST_HOME built by `make test`")
+    log_path = tmp_path_factory.mktemp("node") / "node.log"
+    n = start_node(home, api_key="aenv_test_" + secrets.token_hex(8), log_path=log_path)
+    old = {
+        k: os.environ.get(k)
+        for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
+    }
+    os.environ.update({"E2B_API_URL": n.url, "E2B_SANDBOX_URL": n.url, "E2B_API_KEY": n.api_key})
+    try:
+        yield n
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        code = stop_node(n)
+        left = leaks(home)
+        if code != 0 or left:
+            print(n.log_tail(), file=sys.stderr)
+        assert code == 0, f"node exited with {code}"
+        assert not left, f"node left behind: {left}"

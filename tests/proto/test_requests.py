@@ -1,0 +1,67 @@
+"""Validation of REST bodies: what is refused, and with which message."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aenv.proto import requests as rq
+
+L = rq.Limits(max_timeout_s=3600, default_timeout_s=300)
+
+
+def test_minimal_create_defaults() -> None:
+    r = rq.parse_new_sandbox({"templateID": "base"}, L)
+    assert r.template == "base" and r.timeout_s == 300 and r.policy.allow_internet
+
+
+def test_sdk_shaped_create() -> None:
+    r = rq.parse_new_sandbox(
+        {
+            "templateID": "base",
+            "timeout": 60,
+            "metadata": {"a": "b"},
+            "envVars": {"X": "1"},
+            "allow_internet_access": False,
+            "network": {"allowOut": ["1.1.1.1"], "allowPublicTraffic": False},
+            "secure": True,
+            "somethingNew": 1,
+        },
+        L,
+    )
+    assert r.timeout_s == 60 and r.metadata == {"a": "b"} and r.env_vars == {"X": "1"}
+    assert not r.policy.allow_internet and r.allow_public_traffic is False
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({}, "templateID"),
+        ({"templateID": "../x"}, "invalid templateID"),
+        ({"templateID": "b", "timeout": -5}, "negative"),
+        ({"templateID": "b", "timeout": 3601}, "at most"),
+        ({"templateID": "b", "timeout": True}, "integer"),
+        ({"templateID": "b", "autoPause": True}, "autoPause"),
+        ({"templateID": "b", "autoResume": {"enabled": True}}, "autoResume"),
+        ({"templateID": "b", "mcp": {"x": {}}}, "mcp"),
+        ({"templateID": "b", "network": {"httpsPorts": [443]}}, "httpsPorts"),
+        ({"templateID": "b", "metadata": {"k": 1}}, "metadata"),
+    ],
+)
+def test_refusals_name_the_field(body: dict[str, object], fragment: str) -> None:
+    with pytest.raises(rq.BadRequest, match=fragment):
+        rq.parse_new_sandbox(body, L)
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(),
+        lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+    )
+)
+def test_garbage_only_raises_bad_request(body: object) -> None:
+    with contextlib.suppress(rq.BadRequest):
+        rq.parse_new_sandbox(body, L)
