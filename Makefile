@@ -11,8 +11,6 @@ PY := $(VENV)/bin/python
 PYTHON_BASE ?= /usr/bin/python3
 AENV_HOME ?= $(if $(filter 0,$(shell id -u)),/var/lib/aenv,$(HOME)/.local/state/aenv)
 TEST_HOME ?= $(STATE)/test-home
-APT_PACKAGES := runsc nftables iproute2 debootstrap busybox-static python3-venv python3-dev \
-	util-linux procps ca-certificates curl
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help deps apt venv bundle templates serve test test-fast test-slow lint fuzz bench clean
@@ -29,23 +27,17 @@ $(STATE):
 	@mkdir -p $(STATE)
 
 # -- system packages ----------------------------------------------------------
-$(STATE)/apt.stamp: | $(STATE)
-	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "==> installing Debian packages:$$missing"; \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get update -q && apt-get install -y -q --no-install-recommends $$missing; \
-	else echo "==> Debian packages present"; fi
-	@touch $@
-apt: $(STATE)/apt.stamp
+apt:
+	@scripts/install-deps
 
 # -- Python environment ---------------------------------------------------------
-$(STATE)/venv.stamp: pyproject.toml $(STATE)/apt.stamp
+$(STATE)/venv.stamp: pyproject.toml | $(STATE)
 	@echo "==> creating virtualenv $(VENV) with the project and dev tools"
 	@test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
 	@$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' --progress-bar on
 	@touch $@
-venv: $(STATE)/venv.stamp
+venv: apt
+	@$(MAKE) --no-print-directory $(STATE)/venv.stamp
 
 deps: apt venv
 

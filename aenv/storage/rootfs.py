@@ -1,0 +1,396 @@
+"""Root filesystem builders for the default templates.
+
+`base` is a real Debian userland bootstrapped from Debian's archive with
+`debootstrap --variant=minbase` (bash, python3, curl, git, sudo, ...), with a
+passwordless-sudo user `user` (uid 1000) as E2B templates have, and without
+apt lists, docs, man pages or translations. `busybox` is a tiny test template
+made of Debian's static busybox alone: no libc, no bash. Both are built in a
+hidden directory next to their destination and renamed into place, so a
+half-built root filesystem is never installed. Building needs root and (for
+`base`) the Debian mirror; `python -m aenv.storage.rootfs --home DIR` installs
+both into `DIR/templates` if they are missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from aenv.storage.templates import TemplateNotFound, TemplateStore
+
+Progress = Callable[[str], None]
+
+BASE_PACKAGES: tuple[str, ...] = (
+    "bash",
+    "coreutils",
+    "python3",
+    "python3-pip",
+    "python3-venv",
+    "curl",
+    "wget",
+    "git",
+    "procps",
+    "busybox",
+    "sudo",
+    "ca-certificates",
+    "netbase",
+    "iproute2",
+    "iputils-ping",
+    "less",
+    "vim-tiny",
+    "xz-utils",
+    "unzip",
+    "openssh-client",
+)
+DEFAULT_SUITE = "bookworm"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+SECURITY_MIRROR = "http://deb.debian.org/debian-security"
+USER_NAME = "user"
+USER_UID = 1000
+HOSTNAME = "sandbox"
+DEFAULT_NAMESERVERS = ("8.8.8.8", "1.1.1.1")
+# Trimmed from the image, and kept out by dpkg when a sandbox installs packages.
+_DPKG_EXCLUDES = """\
+path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/locale/*
+path-include /usr/share/locale/locale.alias
+path-exclude /usr/share/lintian/*
+"""
+# Directories emptied after the build (their own directory stays).
+_STRIP = (
+    "var/lib/apt/lists",
+    "var/cache/apt",
+    "usr/share/man",
+    "usr/share/info",
+    "usr/share/locale",
+    "usr/share/lintian",
+)
+_BUILD_PREFIX = ".build-"
+_BUILD_LOCK = ".build.lock"
+
+
+def _say(progress: Progress | None, line: str) -> None:
+    if progress is not None:
+        progress(line)
+
+
+def _staging_next_to(dest: Path) -> Path:
+    if dest.exists() or dest.is_symlink():
+        raise FileExistsError(f"{dest} already exists")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return dest.with_name(f".{dest.name}.tmp-{secrets.token_hex(4)}")
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path.resolve()) + "/"
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            mount_point = line.split()[4].replace("\\040", " ")
+            if mount_point.startswith(prefix) or mount_point == prefix[:-1]:
+                found.append(mount_point)
+    return found
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that refuses to descend into anything still mounted below `path`."""
+    if not path.exists():
+        return
+    for mount_point in sorted(_mounts_under(path), key=len, reverse=True):
+        subprocess.run(["umount", "-l", mount_point], check=False)
+    if _mounts_under(path):
+        raise RuntimeError(f"refusing to remove {path}: mounts remain under it")
+    shutil.rmtree(path)
+
+
+def _host_resolv_conf() -> str:
+    """The host's nameservers that a sandbox can reach (loopback ones cannot be)."""
+    servers: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/resolv.conf").read_text(encoding="utf-8").splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                if parts[1].startswith("127.") or parts[1] == "::1":
+                    continue
+                servers.append(parts[1])
+    return "".join(f"nameserver {s}\n" for s in (servers or DEFAULT_NAMESERVERS))
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    if path.is_symlink():
+        path.unlink()  # e.g. resolv.conf -> /run/...: never write through a link
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    os.chmod(path, mode)
+
+
+def _write_network_files(root: Path) -> None:
+    _write(root / "etc/hostname", f"{HOSTNAME}\n")
+    _write(
+        root / "etc/hosts",
+        f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    )
+    _write(root / "etc/resolv.conf", _host_resolv_conf())
+
+
+def _run_streamed(argv: Sequence[str], progress: Progress | None) -> None:
+    """Run `argv`, passing each output line to `progress`; raise with the tail on failure."""
+    tail: list[str] = []
+    with subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    ) as proc:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip()
+            tail = [*tail[-19:], line]
+            _say(progress, line)
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, list(argv), "\n".join(tail))
+
+
+def _configure_debian(root: Path, suite: str, mirror: str) -> None:
+    def chroot(*argv: str) -> None:
+        subprocess.run(["chroot", str(root), *argv], check=True, env=_CHROOT_ENV)
+
+    chroot(
+        "useradd",
+        "--create-home",
+        "--home-dir",
+        f"/home/{USER_NAME}",
+        "--uid",
+        str(USER_UID),
+        "--user-group",
+        "--groups",
+        "sudo",
+        "--shell",
+        "/bin/bash",
+        USER_NAME,
+    )
+    _write(
+        root / f"etc/sudoers.d/{USER_NAME}",
+        f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL\n",
+        0o440,
+    )
+    _write_network_files(root)
+    _write(root / "etc/machine-id", "")
+    sources = f"deb {mirror} {suite} main\ndeb {mirror} {suite}-updates main\n"
+    if mirror == DEFAULT_MIRROR:
+        sources += f"deb {SECURITY_MIRROR} {suite}-security main\n"
+    _write(root / "etc/apt/sources.list", sources)
+    _write(root / "etc/dpkg/dpkg.cfg.d/aenv-nodoc", _DPKG_EXCLUDES)
+    # A sandbox is disposable: let `pip install` work without a venv, as on E2B.
+    for marker in root.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):
+        marker.unlink()
+    _trim(root)
+
+
+def _trim(root: Path) -> None:
+    for rel in _STRIP:
+        target = root / rel
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+            target.mkdir(mode=0o755)
+    (root / "var/lib/apt/lists/partial").mkdir(parents=True, exist_ok=True)
+    (root / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
+    # Docs go, except each package's copyright notice.
+    for dirpath, _dirs, files in os.walk(root / "usr/share/doc"):
+        for name in files:
+            if name != "copyright":
+                os.unlink(os.path.join(dirpath, name))
+    # Logs of the build go; the directories that apt and dpkg log into stay.
+    for dirpath, _dirs, files in os.walk(root / "var/log"):
+        for name in files:
+            os.unlink(os.path.join(dirpath, name))
+    for old in root.glob("var/cache/debconf/*-old"):
+        old.unlink()
+
+
+_CHROOT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "DEBIAN_FRONTEND": "noninteractive",
+}
+
+
+def build_debian_rootfs(
+    dest: Path,
+    *,
+    suite: str = DEFAULT_SUITE,
+    mirror: str = DEFAULT_MIRROR,
+    packages: Sequence[str] = BASE_PACKAGES,
+    progress: Progress | None = None,
+) -> None:
+    """Bootstrap a Debian root filesystem into `dest` (which must not exist). Needs root."""
+    staging = _staging_next_to(dest)
+    try:
+        _say(progress, f"debootstrap {suite} from {mirror} into {staging}")
+        # A private mount namespace: debootstrap's /proc and /sys mounts in the
+        # target vanish with it, even if it dies half-way.
+        _run_streamed(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "debootstrap",
+                "--variant=minbase",
+                "--merged-usr",
+                f"--include={','.join(packages)}",
+                suite,
+                str(staging),
+                mirror,
+            ],
+            progress,
+        )
+        _say(progress, "configuring user, sudo, network files; trimming")
+        _configure_debian(staging, suite, mirror)
+        os.rename(staging, dest)
+    except BaseException:
+        _remove_tree(staging)
+        raise
+    _say(progress, f"built {dest}")
+
+
+def build_busybox_rootfs(dest: Path, *, busybox: Path = Path("/bin/busybox")) -> None:
+    """A root filesystem of one static busybox (Debian's busybox-static) and its applets."""
+    staging = _staging_next_to(dest)
+    try:
+        _build_busybox(staging, busybox)
+        os.rename(staging, dest)
+    except BaseException:
+        _remove_tree(staging)
+        raise
+
+
+def _build_busybox(root: Path, busybox: Path) -> None:
+    applets = subprocess.run(
+        [str(busybox), "--list-full"], check=True, capture_output=True, text=True
+    ).stdout.split()
+    if not applets:
+        raise RuntimeError(f"{busybox} lists no applets")
+    root.mkdir(mode=0o755)
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "proc", "sys", "dev", "run", "root"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for d in ("tmp", "var/tmp"):
+        (root / d).mkdir(parents=True)
+        os.chmod(root / d, 0o1777)
+    os.chmod(root / "root", 0o700)
+    (root / "var/log").mkdir(parents=True)
+    shutil.copy2(busybox, root / "bin/busybox")
+    os.chmod(root / "bin/busybox", 0o755)
+    for applet in applets:
+        link = root / applet
+        if link.name == "busybox" or link.exists() or link.is_symlink():
+            continue
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(root / "bin/busybox", link.parent))
+    _write(
+        root / "etc/passwd",
+        "root:x:0:0:root:/root:/bin/sh\n"
+        f"{USER_NAME}:x:{USER_UID}:{USER_UID}:{USER_NAME}:/home/{USER_NAME}:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+    )
+    _write(
+        root / "etc/group",
+        f"root:x:0:\n{USER_NAME}:x:{USER_UID}:\nnogroup:x:65534:\n",
+    )
+    _write(root / "etc/shadow", f"root:*:19000::::::\n{USER_NAME}:*:19000::::::\n", 0o640)
+    _write_network_files(root)
+    home = root / "home" / USER_NAME
+    home.mkdir(parents=True)
+    os.chmod(home, 0o755)
+    os.chown(home, USER_UID, USER_UID)
+
+
+@contextlib.contextmanager
+def _build_lock(store: TemplateStore) -> Iterator[None]:
+    fd = os.open(store.root / _BUILD_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _has(store: TemplateStore, template_id: str) -> bool:
+    try:
+        return store.resolve(template_id).template_id == template_id
+    except TemplateNotFound:
+        return False
+
+
+def ensure_default_templates(
+    store: TemplateStore, *, progress: Progress | None = None, with_base: bool = True
+) -> None:
+    """Install the `busybox` test template and (unless told not to) `base`, if absent."""
+    with _build_lock(store):
+        for leftover in store.root.glob(f"{_BUILD_PREFIX}*"):
+            _say(progress, f"removing leftover build {leftover}")
+            _remove_tree(leftover)
+        wanted: list[tuple[str, Callable[[Path], None]]] = [
+            ("busybox", build_busybox_rootfs),
+        ]
+        if with_base:
+            wanted.append(("base", lambda dest: build_debian_rootfs(dest, progress=progress)))
+        for template_id, build in wanted:
+            if _has(store, template_id):
+                _say(progress, f"template {template_id!r} present")
+                continue
+            staging = store.root / f"{_BUILD_PREFIX}{template_id}-{secrets.token_hex(4)}"
+            staging.mkdir(mode=0o700)
+            try:
+                started = time.monotonic()
+                _say(progress, f"building template {template_id!r}")
+                build(staging / "rootfs")
+                template = store.add(
+                    template_id=template_id,
+                    rootfs_dir=staging / "rootfs",
+                    aliases=(template_id,),
+                    cpu_count=2 if template_id == "base" else 1,
+                    memory_mb=512 if template_id == "base" else 256,
+                )
+                _say(
+                    progress,
+                    f"template {template_id!r} ready: {template.disk_size_mb} MiB "
+                    f"in {time.monotonic() - started:.1f} s",
+                )
+            finally:
+                _remove_tree(staging)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m aenv.storage.rootfs",
+        description="Install aenv's default templates (base, busybox) if missing.",
+    )
+    parser.add_argument("--home", type=Path, required=True, help="aenv home ($AENV_HOME)")
+    parser.add_argument(
+        "--busybox-only", action="store_true", help="skip the Debian `base` template"
+    )
+    args = parser.parse_args(argv)
+    store = TemplateStore(args.home / "templates")
+    ensure_default_templates(
+        store, progress=lambda line: print(line, flush=True), with_base=not args.busybox_only
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""Template store: named, read-only root filesystems that sandboxes start from.
+
+Each template lives in `<root>/<template_id>/` as a `rootfs/` directory (the
+read-only lower layer of every sandbox's overlay) and a `template.json` with
+its metadata. Names from callers are validated with `check_name` before they
+touch the filesystem, and paths are always derived from the validated ID,
+never read from metadata. A template appears atomically: it is assembled in a
+hidden staging directory and renamed into place; deletion renames it away
+before removing it. A corrupt `template.json` is logged and skipped. The
+methods do blocking filesystem work: call them from a worker thread
+(`trio.to_thread.run_sync`) on the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from aenv.proto.ids import InvalidName, check_name
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = "template.json"
+ROOTFS_DIR = "rootfs"
+METADATA_VERSION = 1
+# Version of the envd API reported for templates until envd states its own.
+ENVD_VERSION = "0.6.4"
+# Templates installed by `aenv.storage.rootfs.ensure_default_templates`.
+DEFAULT_TEMPLATE_IDS = frozenset({"base", "busybox"})
+_ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+_LOCK_FILE = ".lock"
+_STAGING_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+_T = TypeVar("_T")
+
+
+class TemplateNotFound(LookupError):
+    """No template has this ID or alias."""
+
+
+class TemplateConflict(ValueError):
+    """A template ID or alias is already taken."""
+
+
+def new_template_id() -> str:
+    """A fresh template ID: 20 random lowercase base36 characters, like E2B's."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Template:
+    template_id: str
+    build_id: str
+    aliases: tuple[str, ...]
+    rootfs: Path
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    created_at: float
+    updated_at: float
+    public: bool = True
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+
+    def to_api(
+        self,
+        *,
+        envd_version: str = ENVD_VERSION,
+        spawn_count: int = 0,
+        last_spawned_at: float | None = None,
+    ) -> dict[str, object]:
+        """The E2B `Template` JSON object (as listed by `GET /templates`)."""
+        return {
+            "templateID": self.template_id,
+            "buildID": self.build_id,
+            "cpuCount": self.cpu_count,
+            "memoryMB": self.memory_mb,
+            "diskSizeMB": self.disk_size_mb,
+            "public": self.public,
+            "aliases": list(self.aliases),
+            "names": list(self.aliases),
+            "createdAt": _iso(self.created_at),
+            "updatedAt": _iso(self.updated_at),
+            "createdBy": None,
+            "lastSpawnedAt": None if last_spawned_at is None else _iso(last_spawned_at),
+            "spawnCount": spawn_count,
+            "buildCount": 1,
+            "envdVersion": envd_version,
+            "buildStatus": "ready",
+            "isDefault": self.template_id in DEFAULT_TEMPLATE_IDS,
+        }
+
+    def _to_json(self) -> dict[str, object]:
+        return {
+            "version": METADATA_VERSION,
+            "templateID": self.template_id,
+            "buildID": self.build_id,
+            "aliases": list(self.aliases),
+            "cpuCount": self.cpu_count,
+            "memoryMB": self.memory_mb,
+            "diskSizeMB": self.disk_size_mb,
+            "createdAt": self.created_at,
+            "updatedAt": self.updated_at,
+            "public": self.public,
+            "startCmd": self.start_cmd,
+            "readyCmd": self.ready_cmd,
+        }
+
+
+class _Corrupt(ValueError):
+    pass
+
+
+def _field(data: dict[str, object], key: str, kind: type[_T]) -> _T:
+    value = data.get(key)
+    # bool is an int subclass: never accept it where a number is expected.
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise _Corrupt(f"{key!r} is not a {kind.__name__}")
+    return value
+
+
+def _optional_str(data: dict[str, object], key: str) -> str | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _Corrupt(f"{key!r} is not a string")
+    return value
+
+
+def _parse(template_id: str, template_dir: Path, raw: bytes) -> Template:
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _Corrupt(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _Corrupt("not a JSON object")
+    if data.get("version") != METADATA_VERSION:
+        raise _Corrupt(f"unknown version {data.get('version')!r}")
+    if _field(data, "templateID", str) != template_id:
+        raise _Corrupt("templateID does not match its directory")
+    aliases = _field(data, "aliases", list)
+    try:
+        checked = tuple(check_name(a, "alias") for a in aliases)
+    except InvalidName as exc:
+        raise _Corrupt(str(exc)) from None
+    numbers = {k: _field(data, k, int) for k in ("cpuCount", "memoryMB", "diskSizeMB")}
+    if numbers["cpuCount"] < 1 or numbers["memoryMB"] < 1 or numbers["diskSizeMB"] < 0:
+        raise _Corrupt("resources out of range")
+    stamps: dict[str, float] = {}
+    for key in ("createdAt", "updatedAt"):
+        value = data.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise _Corrupt(f"{key!r} is not a number")
+        stamps[key] = float(value)
+    return Template(
+        template_id=template_id,
+        build_id=_field(data, "buildID", str),
+        aliases=checked,
+        rootfs=template_dir / ROOTFS_DIR,
+        cpu_count=numbers["cpuCount"],
+        memory_mb=numbers["memoryMB"],
+        disk_size_mb=numbers["diskSizeMB"],
+        created_at=stamps["createdAt"],
+        updated_at=stamps["updatedAt"],
+        public=_field(data, "public", bool),
+        start_cmd=_optional_str(data, "startCmd"),
+        ready_cmd=_optional_str(data, "readyCmd"),
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, data: dict[str, object]) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def tree_size_mb(path: Path) -> int:
+    """Apparent size of a directory tree in MiB, rounded up (hard links counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [path]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for entry in it:
+                st = entry.stat(follow_symlinks=False)
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                if st.st_nlink > 1:
+                    seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+    return -(-total // (1 << 20))
+
+
+def _move_tree(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`, copying (owners, modes, links, xattrs) across filesystems."""
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        if exc.errno != 18:  # EXDEV
+            raise
+        subprocess.run(["cp", "-a", "--reflink=auto", "--", str(src), str(dst)], check=True)
+        shutil.rmtree(src)
+
+
+class TemplateStore:
+    """Templates under one directory (`$AENV_HOME/templates`)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            for leftover in root.iterdir():
+                if leftover.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)):
+                    log.info("removing leftover %s", leftover)
+                    shutil.rmtree(leftover, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Serialise writers (in this process and others) on `<root>/.lock`."""
+        fd = os.open(self.root / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _load(self, template_id: str) -> Template | None:
+        """The template in `<root>/<template_id>`, or None if absent or corrupt."""
+        template_dir = self.root / template_id
+        if template_dir.is_symlink():
+            log.warning("skipping template %r: its directory is a symlink", template_id)
+            return None
+        try:
+            raw = (template_dir / METADATA_FILE).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("skipping template %r: cannot read metadata: %s", template_id, exc)
+            return None
+        try:
+            return _parse(template_id, template_dir, raw)
+        except _Corrupt as exc:
+            log.warning("skipping template %r: corrupt %s: %s", template_id, METADATA_FILE, exc)
+            return None
+
+    def list(self) -> list[Template]:
+        """Every valid template, sorted by ID."""
+        found = []
+        for entry in sorted(self.root.iterdir()):
+            try:
+                check_name(entry.name)
+            except InvalidName:
+                continue  # dot-files, staging and trash directories
+            if entry.is_dir() and (template := self._load(entry.name)) is not None:
+                found.append(template)
+        return found
+
+    def resolve(self, name_or_id: str) -> Template:
+        """The template with this ID, else the one with this alias."""
+        check_name(name_or_id, "template name")
+        template = self._load(name_or_id)
+        if template is not None:
+            return template
+        for candidate in self.list():
+            if name_or_id in candidate.aliases:
+                return candidate
+        raise TemplateNotFound(f"template {name_or_id!r} not found")
+
+    def add(
+        self,
+        *,
+        template_id: str,
+        rootfs_dir: Path,
+        aliases: Sequence[str] = (),
+        cpu_count: int = 2,
+        memory_mb: int = 512,
+        start_cmd: str | None = None,
+        ready_cmd: str | None = None,
+    ) -> Template:
+        """Install `rootfs_dir` (moved, not copied, when on the same filesystem) as a template."""
+        check_name(template_id, "template ID")
+        if isinstance(aliases, str):
+            raise TypeError("aliases must be a sequence of names, not a string")
+        clean_aliases = tuple(dict.fromkeys(check_name(a, "alias") for a in aliases))
+        if cpu_count < 1 or memory_mb < 1:
+            raise ValueError("cpu_count and memory_mb must be positive")
+        if rootfs_dir.is_symlink() or not rootfs_dir.is_dir():
+            raise NotADirectoryError(f"{rootfs_dir} is not a directory")
+        with self._locked():
+            taken_ids: set[str] = set()
+            taken_aliases: set[str] = set()
+            for entry in self.root.iterdir():
+                if not entry.name.startswith("."):
+                    taken_ids.add(entry.name)
+            for other in self.list():
+                taken_aliases.update(other.aliases)
+            if template_id in taken_ids or template_id in taken_aliases:
+                raise TemplateConflict(f"template {template_id!r} already exists")
+            clash = [a for a in clean_aliases if a in taken_aliases or a in taken_ids]
+            if clash:
+                raise TemplateConflict(f"alias {clash[0]!r} is already taken")
+
+            disk_size_mb = tree_size_mb(rootfs_dir)
+            now = time.time()
+            template_dir = self.root / template_id
+            template = Template(
+                template_id=template_id,
+                build_id=str(uuid.uuid4()),
+                aliases=clean_aliases,
+                rootfs=template_dir / ROOTFS_DIR,
+                cpu_count=cpu_count,
+                memory_mb=memory_mb,
+                disk_size_mb=disk_size_mb,
+                created_at=now,
+                updated_at=now,
+                start_cmd=start_cmd,
+                ready_cmd=ready_cmd,
+            )
+            staging = self.root / f"{_STAGING_PREFIX}{template_id}-{secrets.token_hex(4)}"
+            staging.mkdir(mode=0o755)
+            moved = False
+            try:
+                _move_tree(rootfs_dir, staging / ROOTFS_DIR)
+                moved = True
+                _write_json_atomic(staging / METADATA_FILE, template._to_json())
+                os.rename(staging, template_dir)
+                _fsync_dir(self.root)
+            except BaseException:
+                if moved and not rootfs_dir.exists():
+                    # Give the caller its directory back rather than losing it.
+                    with contextlib.suppress(OSError):
+                        os.rename(staging / ROOTFS_DIR, rootfs_dir)
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        log.info("added template %s (aliases %s, %d MiB)", template_id, clean_aliases, disk_size_mb)
+        return template
+
+    def delete(self, name_or_id: str) -> None:
+        """Remove a template (by ID or alias) and its root filesystem."""
+        check_name(name_or_id, "template name")
+        with self._locked():
+            template = self.resolve(name_or_id)
+            trash = self.root / f"{_TRASH_PREFIX}{template.template_id}-{secrets.token_hex(4)}"
+            os.rename(self.root / template.template_id, trash)
+            _fsync_dir(self.root)
+        shutil.rmtree(trash, ignore_errors=True)
+        log.info("deleted template %s", template.template_id)
