@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-NET_PREFIX = "aenvt"
+NET_PREFIX = "aenvs"
 SLOT_CIDR = "10.233.0.0/16"
 
 
