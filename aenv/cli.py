@@ -44,6 +44,8 @@ def setup_logging(level: str, json_logs: bool) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # one line per upstream request is noise; the proxy and actors log what matters
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @app.command

@@ -31,6 +31,9 @@ class Config:
     slot_cidr: str = "10.231.0.0/16"
     # Prefix of netns/veth names and name of the nftables table (one per node).
     net_prefix: str = "aenv"
+    # Operator bound on every sandbox's egress (CIDRs); a sandbox's own allowOut
+    # can never reach beyond it. Private ranges are refused regardless.
+    egress_cap: tuple[str, ...] = ("0.0.0.0/0",)
     default_timeout_s: int = 300
     max_timeout_s: int = 24 * 3600
     max_sandboxes: int = 256
@@ -83,6 +86,10 @@ class Config:
             kw["slot_cidr"] = env["AENV_SLOT_CIDR"]
         if "AENV_NET_PREFIX" in env:
             kw["net_prefix"] = env["AENV_NET_PREFIX"]
+        if "AENV_EGRESS_CAP" in env:
+            kw["egress_cap"] = tuple(
+                c.strip() for c in env["AENV_EGRESS_CAP"].split(",") if c.strip()
+            )
         if "AENV_NODE_TAG" in env:
             kw["node_tag"] = env["AENV_NODE_TAG"]
         kw.update({k: v for k, v in overrides.items() if v is not None})

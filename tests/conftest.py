@@ -74,6 +74,9 @@ def start_node(
             "AENV_NET_PREFIX": NET_PREFIX,
             "AENV_SLOT_CIDR": SLOT_CIDR,
             "AENV_NODE_TAG": "test",
+            # Sandboxes in tests reach nothing beyond this machine: only the
+            # documentation range where network tests put their fake internet host.
+            "AENV_EGRESS_CAP": "198.51.100.0/24",
         }
     )
     env.update(extra_env or {})

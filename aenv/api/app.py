@@ -110,6 +110,9 @@ def create_app(node: Node) -> QuartTrio:
     app = QuartTrio("aenv")
     app.config["MAX_CONTENT_LENGTH"] = node.config.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    # never redirect `//x` to `/x`: an ID or name with a slash is just not found
+    app.url_map.merge_slashes = False
+    app.url_map.strict_slashes = False
     key = node.api_key.encode()
     domain = node.config.domain
 

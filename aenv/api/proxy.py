@@ -11,6 +11,7 @@ own access token; other ports of a sandbox created with
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -66,6 +67,10 @@ async def _send_error(send: Send, status: int, message: str, **extra: str) -> No
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class ClientGone(Exception):
+    """The downstream client disconnected before its request body was complete."""
 
 
 class SandboxProxy:
@@ -134,7 +139,7 @@ class SandboxProxy:
                 while True:
                     msg = await receive()
                     if msg["type"] == "http.disconnect":
-                        raise _ClientGone()
+                        raise ClientGone()
                     chunk = msg.get("body", b"")
                     if chunk:
                         yield chunk
@@ -154,24 +159,23 @@ class SandboxProxy:
         )
         if not has_body:
             body_done.set()
+        started = False
         try:
             async with trio.open_nursery() as nursery:
 
                 async def watch_disconnect() -> None:
                     await body_done.wait()
-                    while True:
-                        msg = await receive()
-                        if msg["type"] == "http.disconnect":
-                            nursery.cancel_scope.cancel()
-                            return
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    nursery.cancel_scope.cancel()
 
                 nursery.start_soon(watch_disconnect)
                 try:
                     resp = await client.send(request, stream=True)
-                except (httpx.TransportError, _ClientGone) as e:
+                except httpx.TransportError as e:
+                    await _send_error(send, 502, f"sandbox port unreachable: {e}")
+                    started = True
                     nursery.cancel_scope.cancel()
-                    if not isinstance(e, _ClientGone):
-                        await _send_error(send, 502, f"sandbox port unreachable: {e}")
                     return
                 try:
                     out_headers = [
@@ -186,17 +190,21 @@ class SandboxProxy:
                             "headers": out_headers,
                         }
                     )
+                    started = True
                     async for chunk in resp.aiter_raw():
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except httpx.TransportError as e:
-                    log.info("upstream %s broke mid-response: %s", upstream, e)
                 finally:
                     with trio.CancelScope(shield=True):
                         await resp.aclose()
                 nursery.cancel_scope.cancel()
-        except _ClientGone:
-            return
+        except Exception as exc:
+            # The client went away, or the sandbox broke the stream mid-way: never let
+            # it reach the server (a started response cannot become a 500).
+            log.info("proxy %s %s to %s ended early: %r", scope["method"], url, upstream, exc)
+            if not started:
+                with contextlib.suppress(Exception):
+                    await _send_error(send, 502, f"sandbox request failed: {exc}")
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send, upstream: str) -> None:
         msg = await receive()
@@ -246,7 +254,3 @@ class SandboxProxy:
         except (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionTimeout) as e:
             log.info("websocket upstream %s failed: %s", upstream, e)
             await send({"type": "websocket.close", "code": 1011})
-
-
-class _ClientGone(Exception):
-    """The downstream client disconnected before its request body was complete."""

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
+from typing import Any, cast
 
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from aenv.api.app import create_app
-from aenv.api.proxy import SandboxProxy
+from aenv.api.proxy import ASGIApp, SandboxProxy
 from aenv.config import Config
 from aenv.node.node import Node, open_node
 
@@ -36,10 +36,9 @@ def hypercorn_config(listen: str) -> HyperConfig:
     return hc
 
 
-def build_asgi(node: Node) -> Any:
-    app = create_app(node)
-    app.asgi_app = SandboxProxy(app.asgi_app, node)  # type: ignore[method-assign]
-    return app
+def build_asgi(node: Node) -> SandboxProxy:
+    """The REST app behind the sandbox proxy (which sees every request first)."""
+    return SandboxProxy(cast(ASGIApp, create_app(node)), node)
 
 
 async def serve(
@@ -56,7 +55,7 @@ async def serve(
                 nursery.start_soon(_wait_signals, shutdown)
             await nursery.start(
                 lambda task_status: hyper_serve(
-                    app,
+                    cast(Any, app),
                     hypercorn_config(config.listen),
                     shutdown_trigger=shutdown.wait,
                     task_status=task_status,
@@ -67,7 +66,8 @@ async def serve(
             await shutdown.wait()
             # hypercorn drains its connections, then returns; then stop the rest
             nursery.cancel_scope.deadline = trio.current_time() + 10
-        log.info("aenv node stopped")
+        log.info("stopping every sandbox")
+    log.info("aenv node stopped")
 
 
 async def _wait_signals(shutdown: trio.Event) -> None:

@@ -189,7 +189,10 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     async with (
         open_host_network(
-            cidr=config.slot_cidr, prefix=config.net_prefix, table=config.net_prefix
+            cidr=config.slot_cidr,
+            prefix=config.net_prefix,
+            table=config.net_prefix,
+            egress_cap=config.egress_cap,
         ) as network,
         httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0), trust_env=False) as http,
         trio.open_nursery() as nursery,

@@ -261,8 +261,7 @@ class SandboxActor:
                     req = await self.mailbox.receive()
                     await self._handle(req)
                     continue
-                self.lifecycle.step(lc.Expire(trio.current_time()))
-                if self.lifecycle.state is lc.State.STOPPING:
+                if self.lifecycle.step(lc.Expire(trio.current_time())):
                     self._log("timeout reached")
             nursery.cancel_scope.cancel()
 

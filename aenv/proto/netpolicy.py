@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -220,7 +220,10 @@ def slot_chain(index: int) -> str:
     return f"slot{index}"
 
 
-def render_table(*, table: str, cidr: str) -> str:
+REJECT = "reject with icmpx type admin-prohibited"
+
+
+def render_table(*, table: str, cidr: str, egress_cap: Sequence[str] = ("0.0.0.0/0",)) -> str:
     """The node's `inet` table, replacing any earlier one of that name atomically.
 
     Slot interfaces are known by name only through the `ifaces` set (and the
@@ -228,11 +231,21 @@ def render_table(*, table: str, cidr: str) -> str:
     matches another node's or program's interfaces. Traffic between the
     internet and sandboxes is forwarded only as the sandbox's own connections
     and their replies; anything from a slot to the host itself is dropped
-    unless it answers a connection the host opened.
+    unless it answers a connection the host opened. `egress_cap` is the
+    operator's bound on every sandbox's egress: destinations outside it are
+    refused whatever a sandbox's own policy allows. Refusals are rejects
+    (ICMP administratively prohibited), so a blocked connect or DNS query fails
+    at once instead of timing out.
     """
     t = _check_name(table, "table")
     net = ipaddress.IPv4Network(cidr)
     blocked = _v4_elements([*_ALWAYS_BLOCKED_NETS, net])
+    cap = _v4_elements([str(ipaddress.IPv4Network(c, strict=False)) for c in egress_cap])
+    cap_set = (
+        f"add set inet {t} egress_cap {{ type ipv4_addr; flags interval; elements = {{ {cap} }}; }}"
+        if cap
+        else f"add set inet {t} egress_cap {{ type ipv4_addr; flags interval; }}"
+    )
     return "\n".join(
         [
             f"add table inet {t}",
@@ -240,15 +253,17 @@ def render_table(*, table: str, cidr: str) -> str:
             f"add table inet {t}",
             f"add set inet {t} blocked {{ type ipv4_addr; flags interval; elements = {{ {blocked} }}; }}",
             f"add set inet {t} ifaces {{ type ifname; }}",
+            cap_set,
             f"add map inet {t} slots {{ type ifname : verdict; }}",
             f"add chain inet {t} forward {{ type filter hook forward priority filter; policy accept; }}",
             f"add rule inet {t} forward oifname @ifaces ct state established,related accept",
             f"add rule inet {t} forward oifname @ifaces drop",
+            f"add rule inet {t} forward iifname @ifaces ip daddr != @egress_cap {REJECT}",
             f"add rule inet {t} forward iifname vmap @slots",
             f"add rule inet {t} forward iifname @ifaces drop",
             f"add chain inet {t} input {{ type filter hook input priority filter; policy accept; }}",
             f"add rule inet {t} input iifname @ifaces ct state established,related accept",
-            f"add rule inet {t} input iifname @ifaces drop",
+            f"add rule inet {t} input iifname @ifaces {REJECT}",
             f"add chain inet {t} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}",
             f"add rule inet {t} postrouting ip saddr {net} ip daddr != {net} masquerade",
             "",
@@ -281,13 +296,13 @@ def render_slot_rules(
     lines += [
         f"{rule} meta nfproto != ipv4 drop",
         f"{rule} ip saddr != {src} drop",
-        f"{rule} ip daddr @blocked drop",
+        f"{rule} ip daddr @blocked {REJECT}",
         f"{rule} ip daddr @{ch}_allow accept",
     ]
     if not policy.allow_internet:
-        lines.append(f"{rule} drop")
+        lines.append(f"{rule} {REJECT}")
     else:
-        lines += [f"{rule} ip daddr @{ch}_deny drop", f"{rule} accept"]
+        lines += [f"{rule} ip daddr @{ch}_deny {REJECT}", f"{rule} accept"]
     lines.append(f'add element inet {t} ifaces {{ "{ifn}" }}')
     lines.append(f'add element inet {t} slots {{ "{ifn}" : jump {ch} }}')
     lines.append("")

@@ -289,6 +289,7 @@ async def open_host_network(
     prefix: str = "aenv",
     table: str = "aenv",
     max_slots: int = 1024,
+    egress_cap: Sequence[str] = ("0.0.0.0/0",),
 ) -> AsyncIterator[HostNetwork]:
     """Set the host up for sandbox slots; leaving the block removes all of it.
 
@@ -307,7 +308,7 @@ async def open_host_network(
     if removed:
         log.warning("reaped stale network state: %s", ", ".join(removed))
     await trio.Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
-    await _nft(render_table(table=table, cidr=str(net)))
+    await _nft(render_table(table=table, cidr=str(net), egress_cap=egress_cap))
     network = HostNetwork(cidr=net, prefix=prefix, table=table, max_slots=max_slots)
     try:
         yield network

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import ipaddress
 import os
 import secrets
 import shutil
@@ -116,15 +117,22 @@ def _remove_tree(path: Path) -> None:
 
 
 def _host_resolv_conf() -> str:
-    """The host's nameservers that a sandbox can reach (loopback ones cannot be)."""
+    """The host's nameservers that a sandbox can reach, else public resolvers.
+
+    Sandboxes never reach the host or private ranges (see aenv.proto.netpolicy),
+    so loopback, private and link-local resolvers are useless to them.
+    """
     servers: list[str] = []
     with contextlib.suppress(OSError):
         for line in Path("/etc/resolv.conf").read_text(encoding="utf-8").splitlines():
             parts = line.split()
             if len(parts) >= 2 and parts[0] == "nameserver":
-                if parts[1].startswith("127.") or parts[1] == "::1":
+                try:
+                    addr = ipaddress.ip_address(parts[1])
+                except ValueError:
                     continue
-                servers.append(parts[1])
+                if addr.version == 4 and addr.is_global:
+                    servers.append(parts[1])
     return "".join(f"nameserver {s}\n" for s in (servers or DEFAULT_NAMESERVERS))
 
 

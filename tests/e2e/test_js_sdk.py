@@ -21,6 +21,11 @@ def test_js_sdk(node: NodeProc) -> None:
         pytest.skip("npm e2b not installed (make test installs it)")
     env = dict(os.environ, E2B_API_URL=node.url, E2B_SANDBOX_URL=node.url, E2B_API_KEY=node.api_key)
     r = subprocess.run(
-        ["node", "--test", "sdk.test.mjs"], cwd=JS, env=env, capture_output=True, text=True, timeout=240
+        ["node", "--test", "sdk.test.mjs"],
+        cwd=JS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

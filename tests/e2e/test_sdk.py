@@ -92,17 +92,22 @@ def test_stdin(sbx: Sandbox) -> None:
 def test_pty(sbx: Sandbox) -> None:
     from e2b import PtySize
 
-    out = bytearray()
-    h = sbx.pty.create(PtySize(rows=24, cols=80), on_data=out.extend)
-    sbx.pty.send_stdin(h.pid, b"stty size; echo $((6*7)); exit 3\n")
+    h = sbx.pty.create(PtySize(rows=24, cols=80))
+    sbx.pty.send_stdin(h.pid, b"stty size > /tmp/size1\n")
+    deadline = time.monotonic() + 10
+    while not sbx.files.exists("/tmp/size1") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    assert sbx.files.read("/tmp/size1").strip() == "24 80"
     sbx.pty.resize(h.pid, PtySize(rows=40, cols=100))
-    try:
-        h.wait()
-    except CommandExitException as e:
-        assert e.exit_code == 3
+    sbx.pty.send_stdin(h.pid, b"stty size; echo $((6*7)); exit 3\n")
+    out = bytearray()
+    with pytest.raises(CommandExitException) as ei:
+        h.wait(on_pty=out.extend)
+    assert ei.value.exit_code == 3
     text = out.decode(errors="replace")
+    assert "40 100" in text
     assert "42" in text
-    assert "24 80" in text
 
 
 def test_files_text_and_binary(sbx: Sandbox) -> None:
@@ -148,12 +153,12 @@ def test_metadata_and_list_filters(node: NodeProc) -> None:
     a = Sandbox.create(TEMPLATE, metadata={"team": "red", "n": "1"})
     b = Sandbox.create(TEMPLATE, metadata={"team": "blue"})
     try:
-        from e2b import SandboxQuery
+        from e2b import SandboxQuery, SandboxState
 
         red = Sandbox.list(query=SandboxQuery(metadata={"team": "red"})).next_items()
         assert [s.sandbox_id for s in red] == [a.sandbox_id]
         assert red[0].metadata == {"team": "red", "n": "1"}
-        running = Sandbox.list(query=SandboxQuery(state=["running"])).next_items()
+        running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
         ids = {s.sandbox_id for s in running}
         assert {a.sandbox_id, b.sandbox_id} <= ids
         paginator = Sandbox.list(limit=1)

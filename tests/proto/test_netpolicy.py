@@ -276,7 +276,10 @@ def test_render_table() -> None:
         "add table inet aenvtest",
     ]
     assert "ip saddr 10.232.0.0/16 ip daddr != 10.232.0.0/16 masquerade" in text
-    assert "add rule inet aenvtest input iifname @ifaces drop" in lines
+    assert (
+        "add rule inet aenvtest input iifname @ifaces reject with icmpx type admin-prohibited"
+        in lines
+    )
     blocked = next(line for line in lines if "set inet aenvtest blocked" in line)
     assert "10.0.0.0/8" in blocked and "224.0.0.0/3" in blocked
     # A slot CIDR outside 10/8 is blocked too (other sandboxes).
@@ -297,9 +300,9 @@ def test_render_slot_rules_order() -> None:
     assert rules == [
         "meta nfproto != ipv4 drop",
         "ip saddr != 10.231.0.14 drop",
-        "ip daddr @blocked drop",
+        "ip daddr @blocked reject with icmpx type admin-prohibited",
         "ip daddr @slot3_allow accept",
-        "ip daddr @slot3_deny drop",
+        "ip daddr @slot3_deny reject with icmpx type admin-prohibited",
         "accept",
     ]
     assert "add element inet t slot3_allow { 1.2.3.0/24 }" in text  # merged, v6 left out
@@ -315,7 +318,7 @@ def test_render_slot_rules_without_internet() -> None:
     rules = [line for line in text.splitlines() if line.startswith("add rule")]
     assert rules[-2:] == [
         "add rule inet t slot0 ip daddr @slot0_allow accept",
-        "add rule inet t slot0 drop",
+        "add rule inet t slot0 reject with icmpx type admin-prohibited",
     ]
     assert "add element inet t slot0_allow { 1.2.3.4/32 }" in text
 

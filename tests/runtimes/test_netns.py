@@ -86,6 +86,9 @@ try:
 except socket.timeout:
     print("blocked")
 except OSError as e:
+    if e.errno == errno.EHOSTUNREACH:  # the firewall's reject (admin-prohibited)
+        print("blocked")
+        sys.exit(0)
     print("error:" + errno.errorcode.get(e.errno or 0, str(e)))
 """
 

@@ -1,0 +1,122 @@
+"""Serving envd with Hypercorn's trio worker (HTTP/1.1, h2c upgrade and prior knowledge).
+
+`serve_envd` owns the service nursery in which user processes and polling
+watchers live, builds the ASGI app on it and runs Hypercorn until cancelled
+or until SIGTERM/SIGINT, then drains with a deadline. Should Hypercorn's
+serving loop ever fail, it is restarted without touching the services, so
+user processes outlive a server fault. `guard_hypercorn_h2` works around a
+Hypercorn 0.18 bug where an HTTP/2 DATA frame for a stream already answered
+(a response sent before the request body was read) raised KeyError and took
+the whole server down.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from aenv.envd.app import EnvdApp
+from aenv.envd.state import EnvdState
+
+DEFAULT_PORT = 49983
+log = logging.getLogger("aenv.envd")
+
+
+def guard_hypercorn_h2() -> None:
+    """Drop (but flow-control-acknowledge) DATA for streams Hypercorn closed."""
+    import h2.events
+    from hypercorn.protocol.h2 import H2Protocol
+
+    original = H2Protocol._handle_events
+    if getattr(original, "_aenv_guarded", False):
+        return
+
+    async def _handle_events(self: H2Protocol, events: list[h2.events.Event]) -> None:
+        kept = []
+        opened: set[int] = set()
+        for event in events:
+            if isinstance(event, h2.events.RequestReceived):
+                opened.add(event.stream_id)
+            elif (
+                isinstance(event, h2.events.DataReceived)
+                and event.stream_id not in self.streams
+                and event.stream_id not in opened
+            ):
+                self.connection.acknowledge_received_data(
+                    event.flow_controlled_length, event.stream_id
+                )
+                continue
+            kept.append(event)
+        await original(self, kept)
+
+    _handle_events._aenv_guarded = True  # type: ignore[attr-defined]
+    H2Protocol._handle_events = _handle_events  # type: ignore[method-assign]
+
+
+def hypercorn_config(host: str, port: int, *, access_log: bool = False) -> Config:
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = "-" if access_log else None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.loglevel = "INFO" if access_log else "WARNING"
+    config.keep_alive_timeout = 75
+    config.read_timeout = None
+    config.graceful_timeout = 3
+    config.h2_max_concurrent_streams = 1000
+    config.include_server_header = False
+    return config
+
+
+async def _wait_for_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            return
+
+
+async def serve_envd(
+    *,
+    host: str = "0.0.0.0",
+    port: int = DEFAULT_PORT,
+    state: EnvdState | None = None,
+    handle_signals: bool = True,
+    access_log: bool = False,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve envd until cancelled (or a signal, when `handle_signals`)."""
+    guard_hypercorn_h2()
+    async with trio.open_nursery() as services:
+        app = EnvdApp(services, state=state)
+        config = hypercorn_config(host, port, access_log=access_log)
+        trigger = _wait_for_signal if handle_signals else None
+        status: trio.TaskStatus[list[str]] | None = task_status
+        while True:
+            try:
+                if status is not None:
+                    await serve(app, config, shutdown_trigger=trigger, task_status=status)  # type: ignore[arg-type]
+                else:
+                    await serve(app, config, shutdown_trigger=trigger)  # type: ignore[arg-type]
+                break
+            except Exception:
+                log.exception("HTTP server failed; restarting it")
+                status = None
+                await trio.sleep(0.2)
+        services.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m aenv.envd", description=__doc__)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    trio.run(lambda: serve_envd(host=args.host, port=args.port, access_log=args.access_log))

@@ -1,0 +1,556 @@
+"""The gVisor driver: one `runsc` sandbox per aenv sandbox.
+
+`GVisorRuntime.open_sandbox` writes an OCI bundle (config.json) into the
+spec's working directory -- root = the host overlay prepared by storage,
+writable, so the gofer writes through to the overlay's upper directory; the
+envd bundle bind-mounted read-only at /opt/aenv; the sandbox's netns taken
+over by gVisor's netstack; CPU and memory limits as cgroup resources -- and
+starts it with `runsc run --detach` inside a private mount namespace whose
+/proc/sys/net is a tmpfs (Debian's runsc otherwise mistakes every netns for
+the root one on 6.x kernels). Leaving the block stops the sandbox with a
+ladder (runsc kill, wait with a deadline, runsc delete --force, SIGKILL to
+whatever is left, cgroup removal), shielded from cancellation. The runsc
+state lives under `state_root`, shared by all sandboxes of the node, so
+`reap_stale` can find and remove everything a crashed node left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import select
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from aenv.runtimes.base import RunningSandbox, Runtime, SandboxSpec, Usage
+
+__all__ = ["GVisorError", "GVisorRuntime", "GVisorSandbox"]
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Where the guest sees SandboxSpec.bundle; equals aenv.storage.bundle.BUNDLE_MOUNT
+# (runtimes may not import storage; a test keeps the two in step).
+BUNDLE_MOUNT = "/opt/aenv"
+_CPU_PERIOD_US = 100_000
+# Deadlines of the stop ladder (seconds).
+_KILL_TIMEOUT = 5.0
+_EXIT_TIMEOUT = 5.0
+_DELETE_TIMEOUT = 10.0
+_TEARDOWN_DEADLINE = 30.0
+_START_TIMEOUT = 60.0
+
+# Docker's default capability set plus what agents commonly need (ptrace for
+# debuggers, net admin for test networking). gVisor confines them anyway.
+_CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+    "CAP_SYS_PTRACE",
+    "CAP_NET_ADMIN",
+]
+
+
+class GVisorError(RuntimeError):
+    """runsc refused to start the sandbox (the message carries its output)."""
+
+
+@dataclass
+class GVisorSandbox:
+    """A running runsc sandbox; implements `RunningSandbox`."""
+
+    spec: SandboxSpec
+    sandbox_pid: int
+    _cgroups: _Cgroups
+    _started_at: float = field(default_factory=time.monotonic)
+    _cpu_sample: tuple[float, int] | None = None
+    _exit_status: int | None = None
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.spec.sandbox_id
+
+    async def wait(self) -> int:
+        """Wait for the sandbox process to exit; return its status.
+
+        runsc's sandbox process exits with the root container's exit status,
+        but it is not our child, so only its disappearance is observable
+        (through a pidfd); the status reported is then that of the container
+        when known (128+signal for a kill), else -1.
+        """
+        if self._exit_status is None:
+            status = await _wait_pid_exit(self.sandbox_pid)
+            self._exit_status = -1 if status is None else _decode_wait_status(status)
+        return self._exit_status
+
+    async def usage(self) -> Usage:
+        """CPU share (of the sandbox's vCPUs) since the previous call, memory from the cgroup."""
+        return await trio.to_thread.run_sync(self._usage_sync)
+
+    def _usage_sync(self) -> Usage:
+        now = time.monotonic()
+        cpu_ns = self._cgroups.cpu_usage_ns()
+        mem = self._cgroups.memory_usage_bytes()
+        prev_t, prev_ns = self._cpu_sample or (self._started_at, 0)
+        self._cpu_sample = (now, cpu_ns)
+        elapsed = max(now - prev_t, 1e-6)
+        pct = 100.0 * (cpu_ns - prev_ns) / 1e9 / elapsed / max(self.spec.cpu_count, 1)
+        return Usage(
+            cpu_used_pct=round(max(0.0, min(pct, 100.0)), 2),
+            mem_used_bytes=mem,
+            mem_total_bytes=self.spec.memory_mb * 1024 * 1024,
+        )
+
+
+class GVisorRuntime:
+    """Starts sandboxes with runsc; see the module docstring."""
+
+    name = "gvisor"
+
+    def __init__(
+        self,
+        *,
+        runsc: str = "runsc",
+        platform: str = "ptrace",
+        state_root: Path,
+        cgroup_parent: str = "aenv",
+    ) -> None:
+        self.runsc = runsc
+        self.platform = platform
+        self.state_root = Path(state_root)
+        self.cgroup_parent = cgroup_parent.strip("/")
+
+    # -- starting -------------------------------------------------------
+
+    @asynccontextmanager
+    async def open_sandbox(self, spec: SandboxSpec) -> AsyncIterator[GVisorSandbox]:
+        cgroups = _Cgroups(f"/{self.cgroup_parent}/{spec.sandbox_id}")
+        try:
+            sandbox = await self._start(spec, cgroups)
+            yield sandbox
+        finally:
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
+                await self._stop(spec.sandbox_id, cgroups)
+                await trio.to_thread.run_sync(_remove_bundle, spec.workdir)
+
+    async def _start(self, spec: SandboxSpec, cgroups: _Cgroups) -> GVisorSandbox:
+        await trio.to_thread.run_sync(self._write_bundle, spec)
+        pid_file = spec.workdir / "sandbox.pid"
+        cmd = self._command(
+            "run", "--detach", "--bundle", str(spec.workdir), "--pid-file", str(pid_file),
+            spec.sandbox_id,
+        )  # fmt: skip
+        # The sandbox keeps the stdio it is started with: hand it the log
+        # file, never a pipe.
+        log = await trio.to_thread.run_sync(_open_append, spec.log_path)
+        try:
+            with trio.fail_after(_START_TIMEOUT):
+                proc = await trio.run_process(
+                    _in_private_netfs(cmd), stdin=None, stdout=log, stderr=log, check=False
+                )
+        finally:
+            os.close(log)
+        if proc.returncode != 0:
+            raise GVisorError(
+                f"runsc run {spec.sandbox_id} exited {proc.returncode}: {_tail(spec.log_path)}"
+            )
+        pid = int(pid_file.read_text().strip())
+        return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups)
+
+    def _command(self, *args: str) -> list[str]:
+        return [
+            self.runsc,
+            "--root", str(self.state_root),
+            "--platform", self.platform,
+            "--network", "sandbox",
+            # Writes must reach the host overlay, never gVisor's memory.
+            "--overlay2", "none",
+            *args,
+        ]  # fmt: skip
+
+    def _write_bundle(self, spec: SandboxSpec) -> None:
+        self.state_root.mkdir(parents=True, exist_ok=True)
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        for mountpoint in ("opt/aenv", "proc", "dev", "sys"):
+            (spec.rootfs / mountpoint).mkdir(parents=True, exist_ok=True)
+        tmp = spec.rootfs / "tmp"
+        tmp.mkdir(exist_ok=True)
+        os.chmod(tmp, 0o1777)
+        config = oci_config(spec, cgroups_path=f"/{self.cgroup_parent}/{spec.sandbox_id}")
+        target = spec.workdir / "config.json"
+        target.write_text(json.dumps(config, indent=1))
+
+    # -- stopping -------------------------------------------------------
+
+    async def _stop(self, sandbox_id: str, cgroups: _Cgroups) -> None:
+        """The stop ladder: runsc kill, wait; SIGKILL, wait; runsc delete; clean up."""
+        pidfds = await trio.to_thread.run_sync(self._state_pidfds, sandbox_id)
+        try:
+            await self._runsc_quiet(_KILL_TIMEOUT, "kill", sandbox_id, "SIGKILL")
+            if not await _wait_all_exit(pidfds, _EXIT_TIMEOUT):
+                for fd in pidfds:
+                    with contextlib.suppress(ProcessLookupError):
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                await _wait_all_exit(pidfds, _EXIT_TIMEOUT)
+            if not pidfds or not await _wait_all_exit(pidfds, 0):
+                # Unknown or unkillable processes: let runsc try its own way.
+                await self._runsc_quiet(_DELETE_TIMEOUT, "delete", "--force", sandbox_id)
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+        await trio.to_thread.run_sync(self._remove_leftovers, sandbox_id, cgroups)
+
+    async def _runsc_quiet(self, seconds: float, *args: str) -> None:
+        with trio.move_on_after(seconds):
+            await trio.run_process(
+                self._command(*args),
+                stdin=None,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=False,
+            )
+
+    def _state_file(self, sandbox_id: str) -> Path:
+        return self.state_root / f"{sandbox_id}_sandbox:{sandbox_id}.state"
+
+    def _state_pidfds(self, sandbox_id: str) -> list[int]:
+        """pidfds of the sandbox and gofer processes named in runsc's state file."""
+        try:
+            state = json.loads(self._state_file(sandbox_id).read_text())
+        except (OSError, ValueError):
+            return []
+        fds: list[int] = []
+        for pid in (state.get("sandbox", {}).get("pid"), state.get("goferPid")):
+            if isinstance(pid, int) and pid > 0:
+                with contextlib.suppress(ProcessLookupError):
+                    fds.append(os.pidfd_open(pid))
+        return fds
+
+    def _remove_leftovers(self, sandbox_id: str, cgroups: _Cgroups) -> None:
+        """SIGKILL whatever is still in the sandbox's cgroups, remove them and runsc's state."""
+        deadline = time.monotonic() + _EXIT_TIMEOUT
+        while (leftovers := [p for p in cgroups.pids() if _alive(p)]) and (
+            time.monotonic() < deadline
+        ):
+            for pid in leftovers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        try:
+            cgroups.remove()
+        finally:
+            for path in self._state_files(sandbox_id):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+    def _state_files(self, sandbox_id: str) -> list[Path]:
+        # State and lock files; newer runsc also keeps its control socket here.
+        return [
+            *self.state_root.glob(f"{sandbox_id}_sandbox:*"),
+            *self.state_root.glob(f"runsc-{sandbox_id}.sock"),
+        ]
+
+    # -- crash recovery -------------------------------------------------
+
+    async def reap_stale(self) -> None:
+        """Kill and delete every container runsc knows under `state_root`, and its cgroups."""
+        if not self.state_root.is_dir():
+            return
+        ids = await trio.to_thread.run_sync(self._stale_ids)
+        for sandbox_id in ids:
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
+                await self._stop(sandbox_id, _Cgroups(f"/{self.cgroup_parent}/{sandbox_id}"))
+
+    def _stale_ids(self) -> list[str]:
+        ids = {p.name.split("_sandbox:", 1)[0] for p in self.state_root.glob("*_sandbox:*")}
+        ids.update(
+            p.name[len("runsc-") : -len(".sock")] for p in self.state_root.glob("runsc-*.sock")
+        )
+        ids.update(_Cgroups.children(f"/{self.cgroup_parent}"))
+        return sorted(ids)
+
+
+def oci_config(spec: SandboxSpec, *, cgroups_path: str) -> dict[str, Any]:
+    """The OCI runtime spec (config.json) for one sandbox."""
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "TERM": "xterm"}
+    env.update(spec.init_env)
+    memory = spec.memory_mb * 1024 * 1024
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": list(spec.init_argv),
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": "/",
+            "capabilities": {
+                key: _CAPABILITIES
+                for key in ("bounding", "effective", "inheritable", "permitted", "ambient")
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
+            "noNewPrivileges": False,
+        },
+        "root": {"path": str(spec.rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            },
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
+            {
+                "destination": BUNDLE_MOUNT,
+                "type": "bind",
+                "source": str(spec.bundle),
+                "options": ["rbind", "ro"],
+            },
+        ],
+        "linux": {
+            "cgroupsPath": cgroups_path,
+            "resources": {
+                "cpu": {
+                    "quota": max(spec.cpu_count, 1) * _CPU_PERIOD_US,
+                    "period": _CPU_PERIOD_US,
+                },
+                "memory": {"limit": memory},
+            },
+            "namespaces": [
+                {"type": "pid"},
+                {"type": "ipc"},
+                {"type": "uts"},
+                {"type": "mount"},
+                {"type": "network", "path": str(spec.netns_path)},
+            ],
+        },
+    }
+
+
+class _Cgroups:
+    """The sandbox's cgroup on the host: v1 (one dir per controller) or v2 (unified)."""
+
+    _V1_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "pids", "devices", "freezer",
+                       "blkio", "net_cls", "net_prio", "perf_event", "hugetlb", "systemd")  # fmt: skip
+
+    def __init__(self, path: str) -> None:
+        self.path = path.strip("/")
+
+    @staticmethod
+    def is_v2() -> bool:
+        return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+    def dirs(self) -> list[Path]:
+        if self.is_v2():
+            return [CGROUP_ROOT / self.path]
+        return [CGROUP_ROOT / c / self.path for c in self._V1_CONTROLLERS]
+
+    @classmethod
+    def children(cls, parent: str) -> set[str]:
+        parent = parent.strip("/")
+        roots = [CGROUP_ROOT] if cls.is_v2() else [CGROUP_ROOT / "memory", CGROUP_ROOT / "cpu"]
+        names: set[str] = set()
+        for root in roots:
+            with contextlib.suppress(OSError):
+                names.update(p.name for p in (root / parent).iterdir() if p.is_dir())
+        return names
+
+    def pids(self) -> list[int]:
+        found: list[int] = []
+        for d in self.dirs():
+            for dirpath, _dirs, files in os.walk(d):
+                if "cgroup.procs" in files:
+                    with contextlib.suppress(OSError, ValueError):
+                        found.extend(
+                            int(x) for x in Path(dirpath, "cgroup.procs").read_text().split()
+                        )
+        return found
+
+    def remove(self) -> None:
+        for d in self.dirs():
+            # Children first (runsc may create per-container subgroups).
+            for dirpath, _dirs, _files in sorted(os.walk(d), key=lambda t: len(t[0]), reverse=True):
+                with contextlib.suppress(FileNotFoundError):
+                    _rmdir_retry(Path(dirpath))
+
+    def memory_usage_bytes(self) -> int:
+        if self.is_v2():
+            return _read_int(CGROUP_ROOT / self.path / "memory.current")
+        mem = CGROUP_ROOT / "memory" / self.path
+        usage = _read_int(mem / "memory.usage_in_bytes")
+        # Report what the sandbox uses, not reclaimable page cache.
+        with contextlib.suppress(OSError):
+            for line in (mem / "memory.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "total_inactive_file":
+                    usage -= int(value)
+        return max(usage, 0)
+
+    def cpu_usage_ns(self) -> int:
+        if self.is_v2():
+            for line in (CGROUP_ROOT / self.path / "cpu.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "usage_usec":
+                    return int(value) * 1000
+            return 0
+        return _read_int(CGROUP_ROOT / "cpuacct" / self.path / "cpuacct.usage")
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _rmdir_retry(path: Path) -> None:
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            path.rmdir()
+            return
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie counts as gone: only its parent can reap it.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+async def _wait_all_exit(pidfds: Sequence[int], seconds: float) -> bool:
+    """Wait up to `seconds` for every pidfd's process to exit; True if all did."""
+    with trio.move_on_after(seconds):
+        for fd in pidfds:
+            if seconds <= 0:
+                if not _pidfd_exited(fd):
+                    return False
+                continue
+            await trio.lowlevel.wait_readable(fd)
+        return True
+    return False
+
+
+def _pidfd_exited(fd: int) -> bool:
+    readable, _, _ = select.select([fd], [], [], 0)
+    return bool(readable)
+
+
+async def _wait_pid_exit(pid: int) -> int | None:
+    """Wait until process `pid` (not necessarily our child) has exited.
+
+    Returns its wait status if it could still be read (the process is a
+    zombie not yet reaped by its parent), else None.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+    return _zombie_status(pid)
+
+
+def _zombie_status(pid: int) -> int | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # fields[0] is field 3 (state); field 52 is the exit code in waitpid form.
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    return int(fields[49])
+
+
+def _decode_wait_status(status: int) -> int:
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _in_private_netfs(cmd: Sequence[str]) -> list[str]:
+    """Run `cmd` in a private mount namespace with a tmpfs over /proc/sys/net.
+
+    Propagation is slave so that unmounts on the host (a sandbox's overlay
+    being torn down) reach the namespace instead of pinning the mount.
+    """
+    script = "mount -t tmpfs -o size=4k aenv-netfs /proc/sys/net && exec " + shlex.join(cmd)
+    return ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script]
+
+
+def _remove_bundle(workdir: Path) -> None:
+    """Remove the files the driver wrote into the spec's workdir (and it, if now empty)."""
+    for name in ("config.json", "sandbox.pid"):
+        with contextlib.suppress(FileNotFoundError):
+            (workdir / name).unlink()
+    with contextlib.suppress(OSError):
+        workdir.rmdir()
+
+
+def _open_append(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    with contextlib.suppress(OSError):
+        data = path.read_bytes()[-limit:]
+        return data.decode(errors="replace").strip()
+    return ""
+
+
+if TYPE_CHECKING:
+
+    def _conforms(rt: GVisorRuntime, sandbox: GVisorSandbox) -> tuple[Runtime, RunningSandbox]:
+        return rt, sandbox

@@ -1,0 +1,174 @@
+"""Per-sandbox writable root filesystems as host overlayfs mounts.
+
+A sandbox's root is its image layers (read-only lower directories, topmost
+first) with one writable upper directory on top, merged by the kernel's
+overlayfs. gVisor's gofer then writes through to that upper directory, which
+is what pause, snapshot and fork freeze into a new layer. `open_writable_root`
+owns one such mount for the length of an `async with` block and removes it,
+and its scratch directory, on the way out, also when cancelled;
+`reap_stale_mounts` clears what a crashed node left behind. mount(8) and
+umount(8) run in worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+__all__ = [
+    "MAX_MOUNT_OPTIONS",
+    "OverlayError",
+    "open_writable_root",
+    "reap_stale_mounts",
+]
+
+# The kernel copies mount options into a single page; longer strings fail.
+MAX_MOUNT_OPTIONS = 4000
+
+# Bound on the whole teardown (unmount + removal) once the block is left.
+_TEARDOWN_DEADLINE = 30.0
+
+
+class OverlayError(RuntimeError):
+    """The overlay could not be mounted (bad layer paths, too many layers, kernel refusal)."""
+
+
+@asynccontextmanager
+async def open_writable_root(lowers: Sequence[Path], workdir: Path) -> AsyncIterator[Path]:
+    """Mount `lowers` (topmost first) under a fresh upper at `workdir/merged`.
+
+    `workdir` must not exist yet or be empty; it receives `upper/`, `work/`
+    and `merged/`, and is removed entirely when the block is left, so the
+    caller keeps nothing of the upper unless it moved it away first (after
+    unmounting) -- snapshotting is a separate step.
+    """
+    if not lowers:
+        raise OverlayError("an overlay needs at least one lower layer")
+    merged = workdir / "merged"
+    await trio.to_thread.run_sync(_prepare, workdir)
+    try:
+        await trio.to_thread.run_sync(_mount, [Path(p) for p in lowers], workdir)
+        try:
+            yield merged
+        finally:
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
+                await trio.to_thread.run_sync(_unmount, merged, abandon_on_cancel=True)
+    finally:
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
+            await trio.to_thread.run_sync(_remove, workdir, abandon_on_cancel=True)
+
+
+def reap_stale_mounts(root: Path) -> None:
+    """Unmount every overlay mounted at or below `root` (blocking; run it in a thread).
+
+    For a node restarting after a crash: those mounts belong to sandboxes
+    that no longer exist. Deepest mounts go first; busy ones are detached
+    lazily. Directories are left in place.
+    """
+    root = Path(os.path.abspath(root))
+    for mountpoint in sorted(_overlay_mounts_under(root), key=lambda p: len(p.parts), reverse=True):
+        _unmount(mountpoint)
+
+
+def _prepare(workdir: Path) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    if any(workdir.iterdir()):
+        raise OverlayError(f"{workdir} is not empty")
+    for name in ("upper", "work", "merged"):
+        (workdir / name).mkdir()
+    # The upper's root becomes the guest's "/": keep it world-traversable.
+    os.chmod(workdir / "upper", 0o755)
+
+
+def mount_options(lowers: Sequence[Path], workdir: Path) -> tuple[str, Path]:
+    """Return (options, cwd): overlay options with paths relative to `cwd`.
+
+    Relative paths (resolved by the kernel against the mounting process's
+    working directory) keep long layer stacks under the option-size limit.
+    """
+    paths = [Path(os.path.abspath(p)) for p in (*lowers, workdir)]
+    for p in paths:
+        if any(c in str(p) for c in ":,\n"):
+            raise OverlayError(f"layer path {p} contains ':' ',' or a newline")
+    cwd = Path(os.path.commonpath([str(p) for p in paths]))
+
+    def rel(p: Path) -> str:
+        return os.path.relpath(p, cwd)
+
+    lowerdir = ":".join(rel(Path(os.path.abspath(p))) for p in lowers)
+    wd = Path(os.path.abspath(workdir))
+    options = f"lowerdir={lowerdir},upperdir={rel(wd / 'upper')},workdir={rel(wd / 'work')}"
+    if len(options) > MAX_MOUNT_OPTIONS:
+        raise OverlayError(
+            f"{len(lowers)} layers need {len(options)} bytes of mount options "
+            f"(limit {MAX_MOUNT_OPTIONS}); flatten some layers"
+        )
+    return options, cwd
+
+
+def _mount(lowers: Sequence[Path], workdir: Path) -> None:
+    for lower in lowers:
+        if not lower.is_dir():
+            raise OverlayError(f"lower layer {lower} is not a directory")
+    options, cwd = mount_options(lowers, workdir)
+    merged = Path(os.path.abspath(workdir / "merged"))
+    proc = subprocess.run(
+        ["mount", "-t", "overlay", "overlay", "-o", options, str(merged)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise OverlayError(f"mounting overlay at {merged} failed: {proc.stderr.strip()}")
+
+
+def _unmount(mountpoint: Path) -> None:
+    if not _is_mountpoint(mountpoint):
+        return
+    proc = subprocess.run(["umount", str(mountpoint)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0 and _is_mountpoint(mountpoint):
+        # Busy (a process still has a file open or its cwd inside): detach it
+        # now; the kernel frees it when the last user goes away.
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
+
+
+def _remove(workdir: Path) -> None:
+    merged = workdir / "merged"
+    if _is_mountpoint(merged):
+        # Never recurse into a still-mounted tree: that would delete layer data.
+        _unmount(merged)
+        if _is_mountpoint(merged):
+            raise OverlayError(f"{merged} is still mounted; not removing {workdir}")
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _mountinfo() -> list[tuple[Path, str]]:
+    """(mountpoint, fstype) of every mount in this mount namespace."""
+    out: list[tuple[Path, str]] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            mountpoint = _unescape(fields[4])
+            out.append((Path(mountpoint), fields[sep + 1]))
+    return out
+
+
+def _unescape(field: str) -> str:
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def _is_mountpoint(path: Path) -> bool:
+    target = Path(os.path.abspath(path))
+    return any(mp == target for mp, _ in _mountinfo())
+
+
+def _overlay_mounts_under(root: Path) -> list[Path]:
+    return [mp for mp, fstype in _mountinfo() if fstype == "overlay" and mp.is_relative_to(root)]

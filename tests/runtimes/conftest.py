@@ -1,0 +1,99 @@
+"""Fixtures for runtime tests: the envd bundle, a busybox-only root layer, a netns.
+
+The bundle is built once per session into pytest's base temp directory (the
+storage tests share it by path; `build_bundle` is idempotent). The lower
+layer holds nothing but a static busybox -- no libc, no Python -- so a
+sandbox that runs Python proves the bundle is self-contained. Each `netns`
+is `aenvtest-XXXX` with a veth whose host end is 10.213.N.1/30 and guest end
+10.213.N.2/30 (traffic stays on that private pair); it is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from aenv.storage.bundle import build_bundle
+
+BUSYBOX = Path("/bin/busybox")
+
+
+def _need_root_and(*tools: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    for tool in tools:
+        if shutil.which(tool) is None and not Path(tool).exists():
+            pytest.skip(f"needs {tool}")
+
+
+@pytest.fixture(scope="session")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.getbasetemp() / "aenv-bundle"
+    build_bundle(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def busybox_lower(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _need_root_and(str(BUSYBOX))
+    root = tmp_path_factory.getbasetemp() / "busybox-lower"
+    if (root / "bin" / "busybox").exists():
+        return root
+    for d in ("bin", "etc", "root", "tmp", "proc", "sys", "dev"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(root / "tmp", 0o1777)
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    applets = subprocess.run(
+        [str(BUSYBOX), "--list"], check=True, capture_output=True, text=True
+    ).stdout.split()
+    for applet in applets:
+        link = root / "bin" / applet
+        if applet != "busybox" and not link.exists():
+            link.symlink_to("busybox")
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    (root / "etc" / "lower-marker").write_text("from the lower layer\n")
+    return root
+
+
+@dataclass(frozen=True)
+class Netns:
+    name: str
+    path: Path
+    host_ip: str
+    guest_ip: str
+
+
+@pytest.fixture
+def netns() -> Iterator[Netns]:
+    _need_root_and("ip")
+    tag = secrets.token_hex(2)
+    name = f"aenvtest-{tag}"
+    host_if, guest_if = f"aenvth{tag}", f"aenvtg{tag}"
+    n = int(tag, 16) % 250 + 1
+    host_ip, guest_ip = f"10.213.{n}.1", f"10.213.{n}.2"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", host_if, "type", "veth", "peer", "name", guest_if)
+        ip("link", "set", guest_if, "netns", name)
+        ip("addr", "add", f"{host_ip}/30", "dev", host_if)
+        ip("link", "set", host_if, "up")
+        ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", name, "link", "set", guest_if, "name", "eth0")
+        ip("-n", name, "addr", "add", f"{guest_ip}/30", "dev", "eth0")
+        ip("-n", name, "link", "set", "eth0", "up")
+        yield Netns(name, Path("/var/run/netns") / name, host_ip, guest_ip)
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
