@@ -36,7 +36,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_home() -> Path | None:
+def built_home() -> Path | None:
     raw = os.environ.get("AENV_TEST_HOME")
     if not raw:
         return None
@@ -118,7 +118,7 @@ def stop_node(node: NodeProc, sig: int = signal.SIGTERM, timeout: float = 60) ->
 
 def leaks(home: Path, prefix: str = NET_PREFIX) -> list[str]:
     found: list[str] = []
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     found += [line for line in ps.splitlines() if "runsc" in line and str(home) in line]
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     found += [f"netns {line}" for line in netns.splitlines() if line.startswith(prefix + "-")]
@@ -134,14 +134,14 @@ def leaks(home: Path, prefix: str = NET_PREFIX) -> list[str]:
 
 
 requires_node = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("runsc") is None or test_home() is None,
+    os.geteuid() != 0 or shutil.which("runsc") is None or built_home() is None,
     reason="needs root, runsc and AENV_TEST_HOME built by `make test`",
 )
 
 
 @pytest.fixture(scope="session")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
-    home = test_home()
+    home = built_home()
     if home is None or os.geteuid() != 0:
         pytest.skip("needs root and AENV_TEST_HOME built by `make test`")
     log_path = tmp_path_factory.mktemp("node") / "node.log"

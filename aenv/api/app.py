@@ -137,6 +137,9 @@ def create_app(node: Node) -> QuartTrio:
 
     @app.before_request
     async def _auth() -> Response | None:
+        # Consume the (size-capped) body before any early answer: a keep-alive
+        # connection whose request body was left unread stalls the next request.
+        await request.get_data()
         if request.path == "/health":
             return None
         given = request.headers.get("X-API-Key", "")

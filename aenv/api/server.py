@@ -8,8 +8,11 @@ tears down every sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any, cast
 
 import trio
@@ -47,32 +50,42 @@ async def serve(
     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
     handle_signals: bool = True,
 ) -> None:
-    async with open_node(config) as node:
-        app = build_asgi(node)
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
-            if handle_signals:
-                nursery.start_soon(_wait_signals, shutdown)
-            await nursery.start(
-                lambda task_status: hyper_serve(
-                    cast(Any, app),
-                    hypercorn_config(config.listen),
-                    shutdown_trigger=shutdown.wait,
-                    task_status=task_status,
+    """Serve until SIGINT/SIGTERM (or cancellation), then drain and tear down.
+
+    The signal receiver stays installed until every sandbox is torn down, so a
+    second signal during shutdown is logged, never fatal half-way through.
+    """
+    shutdown = trio.Event()
+    receiver = (
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+        if handle_signals
+        else contextlib.nullcontext(None)
+    )
+    with receiver as signals:
+        async with open_node(config) as node, trio.open_nursery() as outer:
+            if signals is not None:
+                outer.start_soon(_watch_signals, signals, shutdown)
+            async with trio.open_nursery() as inner:
+                await inner.start(
+                    partial(
+                        hyper_serve,
+                        cast(Any, build_asgi(node)),
+                        hypercorn_config(config.listen),
+                        shutdown_trigger=shutdown.wait,
+                    )
                 )
-            )
-            log.info("aenv node listening on http://%s (home %s)", config.listen, config.home)
-            task_status.started(node)
-            await shutdown.wait()
-            # hypercorn drains its connections, then returns; then stop the rest
-            nursery.cancel_scope.deadline = trio.current_time() + 10
-        log.info("stopping every sandbox")
+                log.info("aenv node listening on http://%s (home %s)", config.listen, config.home)
+                task_status.started(node)
+            # Hypercorn has drained its connections; stop the rest
+            log.info("stopping every sandbox")
+            outer.cancel_scope.cancel()
     log.info("aenv node stopped")
 
 
-async def _wait_signals(shutdown: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for sig in signals:
+async def _watch_signals(signals: AsyncIterator[int], shutdown: trio.Event) -> None:
+    async for sig in signals:
+        if shutdown.is_set():
+            log.warning("received %s again; already shutting down", signal.Signals(sig).name)
+        else:
             log.info("received %s, shutting down", signal.Signals(sig).name)
             shutdown.set()
-            return

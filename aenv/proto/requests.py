@@ -88,7 +88,7 @@ def parse_timeout(value: object, limits: Limits, *, key: str = "timeout") -> int
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    if body.get("autoPause") is True:
+    if _bool(body, "autoPause"):
         raise BadRequest("autoPause is not supported by this node yet (pause is not available)")
     auto_resume = body.get("autoResume")
     if auto_resume is not None and _obj(auto_resume, "autoResume").get("enabled") is True:
@@ -149,7 +149,7 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
         policy=_policy(allow_internet, net),
         allow_internet_access=allow_internet,
         allow_public_traffic=allow_public,
-        auto_pause=bool(b.get("autoPause") or False),
+        auto_pause=bool(_bool(b, "autoPause")),
     )
 
 

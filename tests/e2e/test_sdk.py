@@ -222,3 +222,44 @@ def test_wrong_api_key_refused(node: NodeProc) -> None:
 def test_unknown_template(node: NodeProc) -> None:
     with pytest.raises(SandboxException):
         Sandbox.create("no-such-template")
+
+
+def test_envd_requires_the_sandbox_access_token(sbx: Sandbox, node: NodeProc) -> None:
+    route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    rpc = {"content-type": "application/json", "connect-protocol-version": "1"}
+    url = node.url + "/process.Process/List"
+    r = httpx.post(url, headers={**route, **rpc}, content=b"{}")
+    assert r.status_code == 401
+    token = sbx._envd_access_token  # what Sandbox.create returned as envdAccessToken
+    assert token
+    r = httpx.post(url, headers={**route, **rpc, "X-Access-Token": token}, content=b"{}")
+    assert r.status_code == 200 and isinstance(r.json().get("processes", []), list)
+
+
+def test_private_traffic_needs_traffic_token(node: NodeProc) -> None:
+    r = httpx.post(
+        node.url + "/v2/sandboxes",
+        json={"templateID": TEMPLATE, "network": {"allowPublicTraffic": False}},
+        headers={"X-API-Key": node.api_key},
+        timeout=60,
+    )
+    assert r.status_code == 201, r.text
+    created = r.json()
+    sid, traffic = created["sandboxID"], created["trafficAccessToken"]
+    assert traffic
+    try:
+        s = Sandbox.connect(sid)
+        s.commands.run("cd /tmp && python3 -m http.server 8081", background=True)
+        route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8081"}
+        assert httpx.get(node.url + "/", headers=route).status_code == 403
+        deadline = time.monotonic() + 20
+        while True:
+            ok = httpx.get(
+                node.url + "/", headers={**route, "e2b-traffic-access-token": traffic}, timeout=5
+            )
+            if ok.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert ok.status_code == 200
+    finally:
+        Sandbox.kill(sid)

@@ -79,7 +79,7 @@ def cgroup_dirs(sandbox_id: str) -> list[Path]:
 
 def leftovers(rt: GVisorRuntime, sandbox_id: str, *paths: Path) -> list[str]:
     found: list[str] = []
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     found += [line for line in ps.splitlines() if str(rt.state_root) in line]
     found += [f"cgroup {p}" for p in cgroup_dirs(sandbox_id)]
     if rt.state_root.exists():
