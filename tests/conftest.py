@@ -26,8 +26,9 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-NET_PREFIX = "aenvs"
-SLOT_CIDR = "10.233.0.0/16"
+# Overridable so two test runs on one machine never share network state.
+NET_PREFIX = os.environ.get("AENV_TEST_NET_PREFIX", "aenvs")
+SLOT_CIDR = os.environ.get("AENV_TEST_SLOT_CIDR", "10.233.0.0/16")
 
 
 def free_port() -> int:
