@@ -12,23 +12,16 @@ pytest test; set `AENV_FUZZ_EXAMPLES` (e.g. 200000) for a long run:
 from __future__ import annotations
 
 import contextlib
-import os
 
-from hypothesis import HealthCheck, given, settings
+from _harness import FUZZ
+from hypothesis import given
 from hypothesis import strategies as st
 
 from aenv.proto import connect
 from aenv.proto.envd_schema import ALL_MESSAGES
 from aenv.proto.pb import DecodeError, MessageType
 
-EXAMPLES = int(os.environ.get("AENV_FUZZ_EXAMPLES", "300"))
 TYPES = [m for m in ALL_MESSAGES if m.wkt is None]
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    database=None,
-)
 
 
 def _check_message(mtype: MessageType, payload: bytes) -> None:

@@ -15,16 +15,13 @@ hypothesis rounds).
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import ipaddress
-import os
 import sys
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hypothesis import HealthCheck, event, given, settings
+from _harness import FUZZ, main
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from aenv.proto.ids import NAME_RE, InvalidName, check_name
@@ -42,20 +39,6 @@ from aenv.proto.requests import (
     parse_new_sandbox,
     parse_refresh,
     parse_timeout_request,
-)
-
-
-def _examples() -> int:
-    raw = os.environ.get("AENV_FUZZ_EXAMPLES")
-    if raw:
-        return int(raw)
-    return 50_000 if os.environ.get("AENV_FUZZ_LONG") == "1" else 200
-
-
-FUZZ = settings(
-    max_examples=_examples(),
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
 )
 
 # -- strategies -----------------------------------------------------------------
@@ -454,40 +437,5 @@ TESTS: tuple[Callable[[], None], ...] = (
 )
 
 
-# -- standalone -----------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Fuzz until stopped: atheris when importable, else `--rounds` hypothesis rounds."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=20, help="hypothesis rounds (no atheris)")
-    args, rest = parser.parse_known_args(argv)
-    try:
-        atheris = importlib.import_module("atheris")
-    except ImportError:
-        atheris = None
-    if atheris is not None:
-
-        def one_input(data: bytes) -> None:
-            if data:
-                target = TESTS[data[0] % len(TESTS)]
-                target.hypothesis.fuzz_one_input(data[1:])  # type: ignore[attr-defined]
-
-        atheris.instrument_all()
-        atheris.Setup([sys.argv[0], *rest], one_input)
-        atheris.Fuzz()
-        return 0
-    for n in range(1, args.rounds + 1):
-        t0 = time.monotonic()
-        for t in TESTS:
-            t()
-        print(
-            f"round {n}/{args.rounds}: {len(TESTS)} targets x {_examples()} examples "
-            f"in {time.monotonic() - t0:.1f}s",
-            flush=True,
-        )
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(TESTS, __doc__ or ""))

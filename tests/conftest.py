@@ -166,3 +166,29 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
             print(n.log_tail(), file=sys.stderr)
         assert code == 0, f"node exited with {code}"
         assert not left, f"node left behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The envd bundle, built once per session (a rebuild is a hash check)."""
+    from aenv.storage.bundle import build_bundle
+
+    dest = tmp_path_factory.getbasetemp() / "aenv-bundle"
+    build_bundle(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def busybox_lower(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A read-only root layer of static busybox only: no libc, no Python."""
+    from aenv.storage.rootfs import build_busybox_rootfs
+
+    if not Path("/bin/busybox").exists():
+        pytest.skip("needs Debian's busybox-static")
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    root = tmp_path_factory.getbasetemp() / "busybox-lower"
+    if not (root / "bin" / "busybox").exists():
+        build_busybox_rootfs(root)
+        (root / "etc" / "lower-marker").write_text("from the lower layer\n")
+    return root

@@ -20,10 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from aenv.storage.bundle import build_bundle
-
-BUSYBOX = Path("/bin/busybox")
-
 
 def _need_root_and(*tools: str) -> None:
     if os.geteuid() != 0:
@@ -31,36 +27,6 @@ def _need_root_and(*tools: str) -> None:
     for tool in tools:
         if shutil.which(tool) is None and not Path(tool).exists():
             pytest.skip(f"needs {tool}")
-
-
-@pytest.fixture(scope="session")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.getbasetemp() / "aenv-bundle"
-    build_bundle(dest)
-    return dest
-
-
-@pytest.fixture(scope="session")
-def busybox_lower(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    _need_root_and(str(BUSYBOX))
-    root = tmp_path_factory.getbasetemp() / "busybox-lower"
-    if (root / "bin" / "busybox").exists():
-        return root
-    for d in ("bin", "etc", "root", "tmp", "proc", "sys", "dev"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    os.chmod(root / "tmp", 0o1777)
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    applets = subprocess.run(
-        [str(BUSYBOX), "--list"], check=True, capture_output=True, text=True
-    ).stdout.split()
-    for applet in applets:
-        link = root / "bin" / applet
-        if applet != "busybox" and not link.exists():
-            link.symlink_to("busybox")
-    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    (root / "etc" / "group").write_text("root:x:0:\n")
-    (root / "etc" / "lower-marker").write_text("from the lower layer\n")
-    return root
 
 
 @dataclass(frozen=True)
