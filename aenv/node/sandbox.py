@@ -178,7 +178,7 @@ class SandboxActor:
                     netns_path=slot.netns_path,
                     cpu_count=self.cpu_count,
                     memory_mb=self.memory_mb,
-                    hostname=f"sbx-{self.sandbox_id[:12]}",
+                    hostname="sandbox",  # what the template's /etc/hosts names
                     workdir=self.workdir / "runtime",
                     log_path=self.workdir / "console.log",
                     init_argv=tuple(argv),
