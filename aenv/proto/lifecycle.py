@@ -6,7 +6,10 @@ TTL deadline, stop the runtime). Time is an argument (`now`, trio's clock in
 the actor), never read here, so the machine is tested without any IO.
 
 States: creating -> running -> stopping -> stopped, with failed reachable
-from creating and running. `paused` is reserved for the snapshot work.
+from any live state; running -> pausing -> paused -> resuming -> running for
+pause/resume. Time spent paused does not count against the TTL: pausing
+banks the time left, resuming re-arms it (or the timeout the caller gives).
+A failed pause leaves the sandbox running; a failed resume leaves it paused.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from dataclasses import dataclass
 class State(enum.Enum):
     CREATING = "creating"
     RUNNING = "running"
+    PAUSING = "pausing"
     PAUSED = "paused"
+    RESUMING = "resuming"
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
@@ -79,7 +84,53 @@ class Stopped:
     pass
 
 
-Event = Ready | SetTimeout | Expire | Kill | Exited | Crashed | Stopped
+@dataclass(frozen=True)
+class Pause:
+    now: float
+
+
+@dataclass(frozen=True)
+class Paused:
+    now: float
+
+
+@dataclass(frozen=True)
+class PauseFailed:
+    now: float
+    error: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    now: float
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Resumed:
+    now: float
+
+
+@dataclass(frozen=True)
+class ResumeFailed:
+    error: str
+
+
+Event = (
+    Ready
+    | SetTimeout
+    | Expire
+    | Kill
+    | Exited
+    | Crashed
+    | Stopped
+    | Pause
+    | Paused
+    | PauseFailed
+    | Resume
+    | Resumed
+    | ResumeFailed
+)
 
 # -- effects ------------------------------------------------------------------
 
@@ -94,16 +145,34 @@ class StopRuntime:
     reason: StopReason
 
 
-Effect = ArmDeadline | StopRuntime
+@dataclass(frozen=True)
+class Checkpoint:
+    """Capture memory and filesystem, then release the runtime."""
 
+
+@dataclass(frozen=True)
+class Restore:
+    """Bring the sandbox back from its checkpoint."""
+
+
+Effect = ArmDeadline | StopRuntime | Checkpoint | Restore
+
+_LIVE = frozenset({State.CREATING, State.RUNNING, State.PAUSING, State.PAUSED, State.RESUMING})
 _ALLOWED: dict[type[object], frozenset[State]] = {
     Ready: frozenset({State.CREATING}),
     SetTimeout: frozenset({State.RUNNING}),
     Expire: frozenset({State.RUNNING}),
-    Kill: frozenset({State.CREATING, State.RUNNING}),
-    Exited: frozenset({State.CREATING, State.RUNNING, State.STOPPING}),
-    Crashed: frozenset({State.CREATING, State.RUNNING, State.STOPPING}),
+    Kill: _LIVE,
+    # a checkpoint that releases the runtime ends its process: not an exit
+    Exited: _LIVE | {State.STOPPING},
+    Crashed: _LIVE | {State.STOPPING},
     Stopped: frozenset({State.STOPPING, State.FAILED}),
+    Pause: frozenset({State.RUNNING}),
+    Paused: frozenset({State.PAUSING}),
+    PauseFailed: frozenset({State.PAUSING}),
+    Resume: frozenset({State.PAUSED}),
+    Resumed: frozenset({State.RESUMING}),
+    ResumeFailed: frozenset({State.RESUMING}),
 }
 
 
@@ -113,6 +182,11 @@ class Lifecycle:
     deadline: float | None = None
     reason: StopReason | None = None
     error: str | None = None
+    # On TTL expiry: pause (True) or kill (False).
+    auto_pause: bool = False
+    # TTL left when the sandbox was paused; re-armed on resume.
+    remaining: float | None = None
+    paused_by_timeout: bool = False
 
     def can(self, event: Event) -> bool:
         return self.state in _ALLOWED[type(event)]
@@ -128,11 +202,41 @@ class Lifecycle:
             case Expire(now):
                 if self.deadline is None or now < self.deadline:
                     return []  # a stale wake-up: the deadline moved
+                if self.auto_pause:
+                    self.paused_by_timeout = True
+                    return self._pause(now)
                 return self._stop(StopReason.TIMEOUT)
+            case Pause(now):
+                self.paused_by_timeout = False
+                return self._pause(now)
+            case Paused():
+                self.state = State.PAUSED
+                return []
+            case PauseFailed(now, error):
+                self.error = error
+                self.state = State.RUNNING
+                self.deadline = now + (self.remaining or 0.0)
+                self.remaining = None
+                return [ArmDeadline(self.deadline)]
+            case Resume(_, timeout_s):
+                self.state = State.RESUMING
+                if timeout_s is not None:
+                    self.remaining = timeout_s
+                return [Restore()]
+            case Resumed(now):
+                self.state = State.RUNNING
+                self.deadline = now + (self.remaining or 0.0)
+                self.remaining = None
+                self.error = None
+                return [ArmDeadline(self.deadline)]
+            case ResumeFailed(error):
+                self.error = error
+                self.state = State.PAUSED
+                return []
             case Kill(reason):
                 return self._stop(reason)
             case Exited(status):
-                if self.state is State.STOPPING:
+                if self.state in (State.STOPPING, State.PAUSING, State.PAUSED, State.RESUMING):
                     return []
                 self.error = f"sandbox exited with status {status}"
                 return self._stop(StopReason.EXITED)
@@ -143,12 +247,20 @@ class Lifecycle:
                 self.reason = self.reason or (
                     StopReason.CREATE_FAILED if was is State.CREATING else StopReason.CRASHED
                 )
+                self.deadline = None
                 return [] if was is State.STOPPING else [StopRuntime(self.reason)]
             case Stopped():
                 if self.state is State.STOPPING:
                     self.state = State.STOPPED
                 return []
         raise AssertionError(event)  # pragma: no cover
+
+    def _pause(self, now: float) -> list[Effect]:
+        assert self.deadline is not None
+        self.remaining = max(0.0, self.deadline - now)
+        self.deadline = None
+        self.state = State.PAUSING
+        return [Checkpoint()]
 
     def _stop(self, reason: StopReason) -> list[Effect]:
         self.state = State.STOPPING

@@ -42,6 +42,52 @@ def test_crash_while_creating_is_create_failed() -> None:
     assert m.state is lc.State.FAILED and m.reason is lc.StopReason.CREATE_FAILED
 
 
+def test_paused_time_does_not_count() -> None:
+    m = lc.Lifecycle()
+    m.step(lc.Ready(0.0, 100))
+    assert m.step(lc.Pause(30.0)) == [lc.Checkpoint()]
+    assert m.state is lc.State.PAUSING and m.deadline is None
+    m.step(lc.Paused(30.1))
+    assert m.step(lc.Resume(1000.0)) == [lc.Restore()]
+    assert m.step(lc.Resumed(1000.2)) == [lc.ArmDeadline(1070.2)]
+    assert m.state is lc.State.RUNNING
+
+
+def test_resume_with_timeout_rearms_it() -> None:
+    m = lc.Lifecycle()
+    m.step(lc.Ready(0.0, 10))
+    m.step(lc.Pause(5.0))
+    m.step(lc.Paused(5.0))
+    m.step(lc.Resume(50.0, timeout_s=300))
+    assert m.step(lc.Resumed(51.0)) == [lc.ArmDeadline(351.0)]
+
+
+def test_auto_pause_on_timeout_and_kill_when_not() -> None:
+    m = lc.Lifecycle(auto_pause=True)
+    m.step(lc.Ready(0.0, 10))
+    assert m.step(lc.Expire(10.0)) == [lc.Checkpoint()]
+    assert m.paused_by_timeout
+    m2 = lc.Lifecycle(auto_pause=False)
+    m2.step(lc.Ready(0.0, 10))
+    assert m2.step(lc.Expire(10.0)) == [lc.StopRuntime(lc.StopReason.TIMEOUT)]
+
+
+def test_failed_pause_keeps_running_failed_resume_stays_paused() -> None:
+    m = lc.Lifecycle()
+    m.step(lc.Ready(0.0, 60))
+    m.step(lc.Pause(20.0))
+    assert m.step(lc.PauseFailed(21.0, "disk full")) == [lc.ArmDeadline(61.0)]
+    assert m.state is lc.State.RUNNING and m.error == "disk full"
+    m.step(lc.Pause(30.0))
+    m.step(lc.Paused(30.0))
+    m.step(lc.Resume(40.0))
+    m.step(lc.ResumeFailed("image corrupt"))
+    assert m.state is lc.State.PAUSED
+    # the runtime process ending during a pause is expected, not an exit
+    assert m.step(lc.Exited(0)) == []
+    assert m.step(lc.Kill()) == [lc.StopRuntime(lc.StopReason.KILLED)]
+
+
 class LifecycleWalk(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -67,6 +113,12 @@ class LifecycleWalk(RuleBasedStateMachine):
             "exit": lc.Exited(1),
             "crash": lc.Crashed("x"),
             "stopped": lc.Stopped(),
+            "pause": lc.Pause(self.now),
+            "paused": lc.Paused(self.now),
+            "pause_failed": lc.PauseFailed(self.now, "x"),
+            "resume": lc.Resume(self.now, t),
+            "resumed": lc.Resumed(self.now),
+            "resume_failed": lc.ResumeFailed("x"),
         }[ev]
         if self.m.can(e):
             before = self.m.state
@@ -79,10 +131,17 @@ class LifecycleWalk(RuleBasedStateMachine):
 
     @invariant()
     def deadline_only_when_running(self) -> None:
-        if self.m.state is not lc.State.RUNNING:
-            assert self.m.deadline is None or self.m.state is lc.State.FAILED
-        else:
+        if self.m.state is lc.State.RUNNING:
             assert self.m.deadline is not None
+        else:
+            assert self.m.deadline is None
+
+    @invariant()
+    def banked_time_only_while_paused(self) -> None:
+        if self.m.state in (lc.State.PAUSING, lc.State.PAUSED, lc.State.RESUMING):
+            assert self.m.remaining is not None and self.m.remaining >= 0
+        elif self.m.state is lc.State.RUNNING:
+            assert self.m.remaining is None
 
     @invariant()
     def terminal_states_stay(self) -> None:
