@@ -1,0 +1,133 @@
+"""The node's embedded metadata store: SQLite, one file under $AENV_HOME.
+
+Records are small JSON documents keyed by ID in a few tables (sandboxes that
+must outlive the process, i.e. paused ones, and snapshots). Every write is
+one transaction in WAL mode with `synchronous=FULL`, so a crash leaves either
+the old or the new record, never half of one. SQLite calls block, so the
+async `Metadata` wrapper runs them in a worker thread, one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    doc TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS snapshots (
+    id TEXT PRIMARY KEY,
+    name TEXT,
+    created_at REAL NOT NULL,
+    doc TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS snapshots_name ON snapshots(name, created_at);
+"""
+
+Doc = dict[str, Any]
+
+
+class MetadataStore:
+    """Synchronous store; use `Metadata` from trio code."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(sql, args)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[Doc]:
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    # -- sandboxes -----------------------------------------------------------
+
+    def put_sandbox(self, sandbox_id: str, state: str, doc: Doc, now: float) -> None:
+        self._write(
+            "INSERT INTO sandboxes(id, state, updated_at, doc) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
+            "updated_at=excluded.updated_at, doc=excluded.doc",
+            (sandbox_id, state, now, json.dumps(doc, sort_keys=True)),
+        )
+
+    def get_sandbox(self, sandbox_id: str) -> Doc | None:
+        rows = self._rows("SELECT doc FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return rows[0] if rows else None
+
+    def delete_sandbox(self, sandbox_id: str) -> None:
+        self._write("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    def list_sandboxes(self, state: str | None = None) -> list[Doc]:
+        if state is None:
+            return self._rows("SELECT doc FROM sandboxes ORDER BY updated_at, id")
+        return self._rows(
+            "SELECT doc FROM sandboxes WHERE state = ? ORDER BY updated_at, id", (state,)
+        )
+
+    # -- snapshots -----------------------------------------------------------
+
+    def put_snapshot(self, snapshot_id: str, name: str | None, created_at: float, doc: Doc) -> None:
+        self._write(
+            "INSERT INTO snapshots(id, name, created_at, doc) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET name=excluded.name, doc=excluded.doc",
+            (snapshot_id, name, created_at, json.dumps(doc, sort_keys=True)),
+        )
+
+    def get_snapshot(self, snapshot_id: str) -> Doc | None:
+        rows = self._rows("SELECT doc FROM snapshots WHERE id = ?", (snapshot_id,))
+        return rows[0] if rows else None
+
+    def latest_snapshot_named(self, name: str) -> Doc | None:
+        rows = self._rows(
+            "SELECT doc FROM snapshots WHERE name = ? ORDER BY created_at DESC, id DESC LIMIT 1",
+            (name,),
+        )
+        return rows[0] if rows else None
+
+    def list_snapshots(self) -> list[Doc]:
+        return self._rows("SELECT doc FROM snapshots ORDER BY created_at, id")
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._write("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
+
+
+class Metadata:
+    """Async face of a MetadataStore: each call runs in a worker thread, serially."""
+
+    def __init__(self, store: MetadataStore) -> None:
+        self.store = store
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)

@@ -1,0 +1,39 @@
+"""The SQLite metadata store: round trips, filters, survival across reopen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aenv.storage.metadata import Metadata, MetadataStore
+
+
+def test_sandbox_records_round_trip_and_survive_reopen(tmp_path: Path) -> None:
+    db = tmp_path / "meta.db"
+    s = MetadataStore(db)
+    s.put_sandbox("a", "paused", {"id": "a", "n": 1}, now=1.0)
+    s.put_sandbox("b", "running", {"id": "b"}, now=2.0)
+    s.put_sandbox("a", "paused", {"id": "a", "n": 2}, now=3.0)
+    assert s.get_sandbox("a") == {"id": "a", "n": 2}
+    assert [d["id"] for d in s.list_sandboxes("paused")] == ["a"]
+    s.close()
+    s2 = MetadataStore(db)
+    assert [d["id"] for d in s2.list_sandboxes()] == ["b", "a"]
+    s2.delete_sandbox("a")
+    assert s2.get_sandbox("a") is None
+
+
+def test_snapshots_by_name_latest_build_wins(tmp_path: Path) -> None:
+    s = MetadataStore(tmp_path / "m.db")
+    s.put_snapshot("s1", "app", 10.0, {"id": "s1"})
+    s.put_snapshot("s2", "app", 20.0, {"id": "s2"})
+    s.put_snapshot("s3", None, 30.0, {"id": "s3"})
+    assert s.latest_snapshot_named("app") == {"id": "s2"}
+    assert [d["id"] for d in s.list_snapshots()] == ["s1", "s2", "s3"]
+    s.delete_snapshot("s2")
+    assert s.latest_snapshot_named("app") == {"id": "s1"}
+
+
+async def test_async_wrapper(tmp_path: Path) -> None:
+    m = Metadata(MetadataStore(tmp_path / "m.db"))
+    await m.run(m.store.put_sandbox, "x", "paused", {"id": "x"}, 1.0)
+    assert await m.run(m.store.get_sandbox, "x") == {"id": "x"}
