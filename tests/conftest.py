@@ -145,8 +145,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
     home = built_home()
     if home is None or os.geteuid() != 0:
         pytest.skip("needs root and AENV_TEST_HOME built by `make test`")
-    log_path = tmp_path_factory.mktemp("node") / "node.log"
-    n = start_node(home, api_key="aenv_test_" + secrets.token_hex(8), log_path=log_path)
+    # A private home whose bundle and templates link to the built ones: a node
+    # clears its home's sandboxes at start, so two runs must never share one.
+    private = tmp_path_factory.mktemp("node")
+    for part in ("bundle", "templates"):
+        (private / part).symlink_to(home / part)
+    log_path = private / "node.log"
+    n = start_node(private, api_key="aenv_test_" + secrets.token_hex(8), log_path=log_path)
     old = {
         k: os.environ.get(k)
         for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
@@ -161,7 +166,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
             else:
                 os.environ[k] = v
         code = stop_node(n)
-        left = leaks(home)
+        left = leaks(private)
         if code != 0 or left:
             print(n.log_tail(), file=sys.stderr)
         assert code == 0, f"node exited with {code}"

@@ -423,6 +423,9 @@ def create_app(node: Node) -> QuartTrio:
         await trio.to_thread.run_sync(node.templates.delete, t.template_id)
         return _no_content()
 
+    from aenv.api import exec_ws  # the exec WebSocket (docs/exec-protocol.md)
+
+    exec_ws.register(app, node, error_response)
     return app
 
 

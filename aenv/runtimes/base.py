@@ -6,6 +6,16 @@ never talks to `runsc` or Firecracker directly; it holds a `RunningSandbox`
 inside `async with runtime.open_sandbox(spec)`, and leaving that block stops the
 sandbox and releases everything the driver created (processes, cgroups,
 state directories), also on cancellation.
+
+Memory snapshots go through the same interface: `RunningSandbox.checkpoint`
+writes the sandbox's memory and kernel state into an image directory
+(stopping it, or leaving it running), `freeze`/`thaw` stop and restart its
+vCPUs without giving up its memory, and `Runtime.open_restored` starts a new
+sandbox from such an image with a spec of its own (sandbox id, netns, root
+filesystem, working directory). Restoring one image several times is fork.
+The root filesystem a restored sandbox is given must show the same files as
+the checkpointed one did at checkpoint time (storage's frozen layer stack
+plus a fresh upper): open files are reopened by path.
 """
 
 from __future__ import annotations
@@ -47,6 +57,10 @@ class Usage:
     mem_total_bytes: int
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or an image could not be restored."""
+
+
 class RunningSandbox(Protocol):
     @property
     def sandbox_id(self) -> str: ...
@@ -59,12 +73,46 @@ class RunningSandbox(Protocol):
         """CPU and memory in use now (for `/sandboxes/{id}/metrics`)."""
         ...
 
+    async def checkpoint(self, image_dir: Path, *, leave_running: bool) -> None:
+        """Write the sandbox's memory and kernel state into `image_dir`.
+
+        With `leave_running=False` the sandbox is gone when this returns (its
+        processes have exited and no longer hold its root filesystem, so
+        storage may unmount and freeze it); leaving the `open_*` block then
+        only cleans up. With `leave_running=True` it carries on. Raises
+        `CheckpointError` if no image was written.
+        """
+        ...
+
+    async def freeze(self) -> None:
+        """Stop every process of the sandbox (no CPU used, memory kept)."""
+        ...
+
+    async def thaw(self) -> None:
+        """Let a frozen sandbox run again."""
+        ...
+
 
 class Runtime(Protocol):
     name: str
 
     def open_sandbox(self, spec: SandboxSpec) -> AbstractAsyncContextManager[RunningSandbox]:
         """Start the sandbox; yields once envd's process has been started."""
+        ...
+
+    def open_restored(
+        self, spec: SandboxSpec, image_dir: Path
+    ) -> AbstractAsyncContextManager[RunningSandbox]:
+        """Start a new sandbox from a checkpoint image, as `open_sandbox` does.
+
+        `spec` may differ from the checkpointed sandbox's in id, netns (the
+        guest's interfaces take that netns' addresses; listening sockets
+        survive, established connections do not), root filesystem path,
+        working directory and log path; the root filesystem must show the
+        same files the checkpointed one showed. One image may be restored
+        any number of times, also concurrently. Raises `CheckpointError` if
+        the image cannot be restored.
+        """
         ...
 
     async def reap_stale(self) -> None:

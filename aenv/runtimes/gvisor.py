@@ -12,6 +12,16 @@ ladder (runsc kill, wait with a deadline, runsc delete --force, SIGKILL to
 whatever is left, cgroup removal), shielded from cancellation. The runsc
 state lives under `state_root`, shared by all sandboxes of the node, so
 `reap_stale` can find and remove everything a crashed node left behind.
+
+Memory snapshots: `GVisorSandbox.checkpoint` runs `runsc checkpoint` (in the
+same private mount namespace, which `--leave-running` needs as it restarts
+the container), `freeze`/`thaw` are `runsc pause`/`resume`, and
+`GVisorRuntime.open_restored` starts a sandbox with `runsc restore --detach`
+from a bundle written for the new spec: the restored kernel takes the new
+netns' interfaces and reopens its files by path under the new root, which
+may be a different overlay mount at a different path. Sandboxes are booted
+with `--net-disconnect-ok` where runsc has it, so a checkpoint resets
+established TCP connections instead of failing on them.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from aenv.runtimes.base import RunningSandbox, Runtime, SandboxSpec, Usage
+from aenv.runtimes.base import CheckpointError, RunningSandbox, Runtime, SandboxSpec, Usage
 
 __all__ = ["GVisorError", "GVisorRuntime", "GVisorSandbox"]
 
@@ -48,6 +58,10 @@ _EXIT_TIMEOUT = 5.0
 _DELETE_TIMEOUT = 10.0
 _TEARDOWN_DEADLINE = 30.0
 _START_TIMEOUT = 60.0
+_CHECKPOINT_TIMEOUT = 120.0
+_PAUSE_TIMEOUT = 10.0
+# How long the sandbox and gofer may take to exit after a checkpoint.
+_CHECKPOINT_EXIT_TIMEOUT = 10.0
 
 # Docker's default capability set plus what agents commonly need (ptrace for
 # debuggers, net admin for test networking). gVisor confines them anyway.
@@ -75,6 +89,10 @@ class GVisorError(RuntimeError):
     """runsc refused to start the sandbox (the message carries its output)."""
 
 
+class GVisorCheckpointError(GVisorError, CheckpointError):
+    """runsc checkpoint, restore, pause or resume failed (the message carries its output)."""
+
+
 @dataclass
 class GVisorSandbox:
     """A running runsc sandbox; implements `RunningSandbox`."""
@@ -82,6 +100,7 @@ class GVisorSandbox:
     spec: SandboxSpec
     sandbox_pid: int
     _cgroups: _Cgroups
+    _runtime: GVisorRuntime = field(repr=False)
     _started_at: float = field(default_factory=time.monotonic)
     _cpu_sample: tuple[float, int] | None = None
     _exit_status: int | None = None
@@ -106,6 +125,40 @@ class GVisorSandbox:
     async def usage(self) -> Usage:
         """CPU share (of the sandbox's vCPUs) since the previous call, memory from the cgroup."""
         return await trio.to_thread.run_sync(self._usage_sync)
+
+    async def checkpoint(self, image_dir: Path, *, leave_running: bool) -> None:
+        """`runsc checkpoint` into `image_dir`; see `RunningSandbox.checkpoint`.
+
+        Without `leave_running`, returns once the sandbox and gofer processes
+        have exited, so nothing holds the root filesystem any more.
+        """
+        rt = self._runtime
+        sandbox_id = self.spec.sandbox_id
+        await trio.to_thread.run_sync(_make_image_dir, image_dir)
+        pidfds = (
+            [] if leave_running else await trio.to_thread.run_sync(rt._state_pidfds, sandbox_id)
+        )
+        try:
+            args = ["checkpoint", "--image-path", str(image_dir)]
+            if leave_running:
+                args.append("--leave-running")
+            await rt._runsc_logged(_CHECKPOINT_TIMEOUT, self.spec, *args, sandbox_id)
+            if not leave_running and not await _wait_all_exit(pidfds, _CHECKPOINT_EXIT_TIMEOUT):
+                raise GVisorCheckpointError(
+                    f"sandbox {sandbox_id} still runs {_CHECKPOINT_EXIT_TIMEOUT:g}s after "
+                    "its checkpoint"
+                )
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+
+    async def freeze(self) -> None:
+        """`runsc pause`: every task of the sandbox stops; memory stays."""
+        await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id)
+
+    async def thaw(self) -> None:
+        """`runsc resume`."""
+        await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id)
 
     def _usage_sync(self) -> Usage:
         now = time.monotonic()
@@ -134,30 +187,52 @@ class GVisorRuntime:
         platform: str = "ptrace",
         state_root: Path,
         cgroup_parent: str = "aenv",
+        net_disconnect_ok: bool | None = None,
     ) -> None:
         self.runsc = runsc
         self.platform = platform
         self.state_root = Path(state_root)
         self.cgroup_parent = cgroup_parent.strip("/")
+        # None: use the flag if this runsc knows it (probed once, on first start).
+        self.net_disconnect_ok = net_disconnect_ok
 
     # -- starting -------------------------------------------------------
 
     @asynccontextmanager
     async def open_sandbox(self, spec: SandboxSpec) -> AsyncIterator[GVisorSandbox]:
+        async with self._open(spec, None) as sandbox:
+            yield sandbox
+
+    @asynccontextmanager
+    async def open_restored(
+        self, spec: SandboxSpec, image_dir: Path
+    ) -> AsyncIterator[GVisorSandbox]:
+        async with self._open(spec, Path(image_dir)) as sandbox:
+            yield sandbox
+
+    @asynccontextmanager
+    async def _open(
+        self, spec: SandboxSpec, image_dir: Path | None
+    ) -> AsyncIterator[GVisorSandbox]:
         cgroups = _Cgroups(f"/{self.cgroup_parent}/{spec.sandbox_id}")
         try:
-            sandbox = await self._start(spec, cgroups)
+            sandbox = await self._start(spec, cgroups, image_dir)
             yield sandbox
         finally:
             with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
                 await self._stop(spec.sandbox_id, cgroups)
                 await trio.to_thread.run_sync(_remove_bundle, spec.workdir)
 
-    async def _start(self, spec: SandboxSpec, cgroups: _Cgroups) -> GVisorSandbox:
+    async def _start(
+        self, spec: SandboxSpec, cgroups: _Cgroups, image_dir: Path | None
+    ) -> GVisorSandbox:
+        if self.net_disconnect_ok is None:
+            self.net_disconnect_ok = await trio.to_thread.run_sync(self._knows_net_disconnect_ok)
         await trio.to_thread.run_sync(self._write_bundle, spec)
         pid_file = spec.workdir / "sandbox.pid"
+        verb = ["run"] if image_dir is None else ["restore", "--image-path", str(image_dir)]
         cmd = self._command(
-            "run", "--detach", "--bundle", str(spec.workdir), "--pid-file", str(pid_file),
+            *verb, "--detach", "--bundle", str(spec.workdir), "--pid-file", str(pid_file),
             spec.sandbox_id,
         )  # fmt: skip
         # The sandbox keeps the stdio it is started with: hand it the log
@@ -171,11 +246,13 @@ class GVisorRuntime:
         finally:
             os.close(log)
         if proc.returncode != 0:
-            raise GVisorError(
-                f"runsc run {spec.sandbox_id} exited {proc.returncode}: {_tail(spec.log_path)}"
+            error = GVisorError if image_dir is None else GVisorCheckpointError
+            raise error(
+                f"runsc {verb[0]} {spec.sandbox_id} exited {proc.returncode}: "
+                f"{_tail(spec.log_path)}"
             )
         pid = int(pid_file.read_text().strip())
-        return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups)
+        return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self)
 
     def _command(self, *args: str) -> list[str]:
         return [
@@ -185,8 +262,43 @@ class GVisorRuntime:
             "--network", "sandbox",
             # Writes must reach the host overlay, never gVisor's memory.
             "--overlay2", "none",
+            # A checkpoint resets established connections instead of failing.
+            *(["--net-disconnect-ok"] if self.net_disconnect_ok else []),
             *args,
         ]  # fmt: skip
+
+    def _knows_net_disconnect_ok(self) -> bool:
+        proc = subprocess.run(
+            [self.runsc, "flags"], capture_output=True, text=True, check=False, timeout=30
+        )
+        return "-net-disconnect-ok" in proc.stdout + proc.stderr
+
+    async def _runsc_logged(self, seconds: float, spec: SandboxSpec, *args: str) -> None:
+        """Run a runsc command with its output appended to the sandbox's log.
+
+        Raises GVisorCheckpointError (with the output) if it fails or times out.
+        """
+        out = spec.workdir / "runsc.out"
+        fd = await trio.to_thread.run_sync(_open_truncated, out)
+        try:
+            with trio.move_on_after(seconds) as scope:
+                proc = await trio.run_process(
+                    _in_private_netfs(self._command(*args)),
+                    stdin=None,
+                    stdout=fd,
+                    stderr=fd,
+                    check=False,
+                )
+        finally:
+            os.close(fd)
+        text = await trio.to_thread.run_sync(_tail, out)
+        await trio.to_thread.run_sync(_append_log, spec.log_path, out)
+        if scope.cancelled_caught:
+            raise GVisorCheckpointError(f"runsc {args[0]} {spec.sandbox_id} timed out: {text}")
+        if proc.returncode != 0:
+            raise GVisorCheckpointError(
+                f"runsc {args[0]} {spec.sandbox_id} exited {proc.returncode}: {text}"
+            )
 
     def _write_bundle(self, spec: SandboxSpec) -> None:
         self.state_root.mkdir(parents=True, exist_ok=True)
@@ -531,11 +643,31 @@ def _in_private_netfs(cmd: Sequence[str]) -> list[str]:
 
 def _remove_bundle(workdir: Path) -> None:
     """Remove the files the driver wrote into the spec's workdir (and it, if now empty)."""
-    for name in ("config.json", "sandbox.pid"):
+    for name in ("config.json", "sandbox.pid", "runsc.out"):
         with contextlib.suppress(FileNotFoundError):
             (workdir / name).unlink()
     with contextlib.suppress(OSError):
         workdir.rmdir()
+
+
+def _make_image_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if any(path.iterdir()):
+        raise GVisorCheckpointError(f"checkpoint image directory {path} is not empty")
+
+
+def _open_truncated(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+
+
+def _append_log(log_path: Path, out: Path) -> None:
+    """Copy a runsc command's output (its panics are long) into the console log, capped."""
+    with contextlib.suppress(OSError):
+        data = out.read_bytes()[-16384:]
+        if data:
+            with open(log_path, "ab") as f:
+                f.write(data)
 
 
 def _open_append(path: Path) -> int:

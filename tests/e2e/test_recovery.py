@@ -113,8 +113,15 @@ def test_one_sandbox_dying_does_not_take_the_node_down(home: Path) -> None:
         assert r.status_code == 404
         r = httpx.get(n.url + f"/sandboxes/{survivor}", headers={"X-API-Key": n.api_key})
         assert r.status_code == 200 and r.json()["state"] == "running"
-        logs = httpx.get(n.url + "/metrics", headers={"X-API-Key": n.api_key}).text
-        assert 'aenv_sandboxes_stopped_total{reason="exited"} 1' in logs
+        # the record goes once teardown finishes (it is 404 from the moment it stops)
+        want = 'aenv_sandboxes_stopped_total{reason="exited"} 1'
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            metrics = httpx.get(n.url + "/metrics", headers={"X-API-Key": n.api_key}).text
+            if want in metrics:
+                break
+            time.sleep(0.2)
+        assert want in metrics
     finally:
         assert stop_node(n) == 0
     assert not leaks(home, PREFIX)

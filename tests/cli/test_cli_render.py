@@ -1,0 +1,64 @@
+"""Listings: aligned tables with relative times; JSON unless asked otherwise."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from aenv.client import render
+
+NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def test_sandbox_table() -> None:
+    out = render.sandboxes_table(
+        [
+            {
+                "sandboxID": "abc",
+                "alias": "base",
+                "state": "running",
+                "startedAt": "2026-01-01T11:58:30Z",
+                "endAt": "2026-01-01T12:05:00Z",
+                "cpuCount": 2,
+                "memoryMB": 512,
+                "metadata": {"b": "2", "a": "1"},
+            }
+        ],
+        NOW,
+    )
+    header, row = out.splitlines()
+    assert header.split() == [
+        "SANDBOX",
+        "ID",
+        "TEMPLATE",
+        "STATE",
+        "STARTED",
+        "ENDS",
+        "CPU",
+        "MEM",
+        "MB",
+        "METADATA",
+    ]
+    assert row.split() == [
+        "abc",
+        "base",
+        "running",
+        "1m30s",
+        "ago",
+        "in",
+        "5m00s",
+        "2",
+        "512",
+        "a=1,b=2",
+    ]
+    assert header.index("TEMPLATE") == row.index("base")
+
+
+def test_times() -> None:
+    assert render.ago("2026-01-01T10:00:00Z", NOW) == "2h00m ago"
+    assert render.until("2026-01-01T11:00:00Z", NOW) == "now"
+    assert render.until(None, NOW) == "-"
+
+
+def test_explicit_format_wins() -> None:
+    assert render.choose_format("table") == "table"
+    assert render.choose_format("json") == "json"
