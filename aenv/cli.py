@@ -32,7 +32,6 @@ from aenv.client.errors import (
     EXIT_USAGE,
     CliError,
     NotFound,
-    ServerError,
     UsageError,
 )
 from aenv.client.render import OutputFormat
@@ -248,8 +247,8 @@ def start(
         bool, Parameter(name=["--detach", "-d"], negative="", help="print the ID, do not attach")
     ] = False,
     timeout: Annotated[int | None, Parameter(help="seconds until the sandbox is killed")] = None,
-    cpu: Annotated[int | None, Parameter(help="vCPUs (must match the template for now)")] = None,
-    memory: Annotated[int | None, Parameter(help="memory in MB (must match the template)")] = None,
+    cpu: Annotated[int | None, Parameter(help="vCPUs (default: the template's)")] = None,
+    memory: Annotated[int | None, Parameter(help="memory in MB (default: the template's)")] = None,
     metadata: Annotated[
         list[str] | None, Parameter(help="KEY=VALUE metadata, repeatable", negative="")
     ] = None,
@@ -267,19 +266,10 @@ def start(
     envs = _pairs(env, "--env")
     c = node.client()
     with c:
-        created = c.create_sandbox(template, timeout=timeout, metadata=meta, env_vars=envs)
+        created = c.create_sandbox(
+            template, timeout=timeout, metadata=meta, env_vars=envs, cpu=cpu, memory=memory
+        )
         sid = str(created["sandboxID"])
-        if cpu is not None or memory is not None:
-            detail = c.get_sandbox(sid)
-            got = (detail.get("cpuCount"), detail.get("memoryMB"))
-            if (cpu is not None and got[0] != cpu) or (memory is not None and got[1] != memory):
-                with contextlib.suppress(CliError):
-                    c.kill_sandbox(sid)
-                raise ServerError(
-                    f"start: this node cannot size sandboxes yet; template {template!r} gives "
-                    f"{got[0]} vCPU and {got[1]} MB (the sandbox was removed)",
-                    501,
-                )
         if detach:
             print(sid)
             return 0

@@ -172,8 +172,14 @@ class Client:
         timeout: int | None = None,
         metadata: dict[str, str] | None = None,
         env_vars: dict[str, str] | None = None,
+        cpu: int | None = None,
+        memory: int | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"templateID": template}
+        if cpu is not None:
+            body["cpuCount"] = cpu
+        if memory is not None:
+            body["memoryMB"] = memory
         if timeout is not None:
             body["timeout"] = timeout
         if metadata:

@@ -84,7 +84,10 @@ class Node:
         self.http = http
         self.api_key = api_key
         self.limits = Limits(
-            max_timeout_s=config.max_timeout_s, default_timeout_s=config.default_timeout_s
+            max_timeout_s=config.max_timeout_s,
+            default_timeout_s=config.default_timeout_s,
+            max_cpu=os.cpu_count() or 1,
+            max_memory_mb=_host_memory_mb(),
         )
         self._nursery = nursery
         self._sandboxes: dict[str, SandboxActor] = {}
@@ -210,6 +213,16 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             yield node
         finally:
             nursery.cancel_scope.cancel()
+
+
+def _host_memory_mb() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1024
 
 
 def _clear_dir(path: Path) -> None:

@@ -105,8 +105,8 @@ class SandboxActor:
         self.allow_internet_access = req.allow_internet_access
         self.allow_public_traffic = req.allow_public_traffic
         self.auto_pause = req.auto_pause
-        self.cpu_count = template.cpu_count
-        self.memory_mb = template.memory_mb
+        self.cpu_count = req.cpu_count or template.cpu_count
+        self.memory_mb = req.memory_mb or template.memory_mb
         self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
         self.started_at = time.time()

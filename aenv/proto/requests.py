@@ -30,6 +30,8 @@ class BadRequest(ValueError):
 class Limits:
     max_timeout_s: int = 24 * 3600
     default_timeout_s: int = 300
+    max_cpu: int = 64
+    max_memory_mb: int = 256 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +44,9 @@ class NewSandbox:
     allow_internet_access: bool | None = None
     allow_public_traffic: bool = True
     auto_pause: bool = False
+    # aenv extension: size this sandbox instead of using the template's default
+    cpu_count: int | None = None
+    memory_mb: int | None = None
 
 
 def _obj(value: object, what: str) -> Mapping[str, Any]:
@@ -85,6 +90,17 @@ def parse_timeout(value: object, limits: Limits, *, key: str = "timeout") -> int
     if value > limits.max_timeout_s:
         raise BadRequest(f"{key} must be at most {limits.max_timeout_s} seconds")
     return value
+
+
+def _bounded_int(body: Mapping[str, Any], key: str, low: int, high: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{key} must be an integer")
+    if not low <= v <= high:
+        raise BadRequest(f"{key} must be between {low} and {high}")
+    return v
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
@@ -150,6 +166,8 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
         allow_internet_access=allow_internet,
         allow_public_traffic=allow_public,
         auto_pause=bool(_bool(b, "autoPause")),
+        cpu_count=_bounded_int(b, "cpuCount", 1, limits.max_cpu),
+        memory_mb=_bounded_int(b, "memoryMB", 128, limits.max_memory_mb),
     )
 
 

@@ -125,11 +125,17 @@ def test_start_list_prefix_timeout_delete(env: dict[str, str]) -> None:
     assert s not in listed(env)
 
 
-def test_start_refuses_sizes_the_node_cannot_give(env: dict[str, str]) -> None:
+def test_start_sizes_the_sandbox(env: dict[str, str]) -> None:
+    sid = ok(env, "start", TEMPLATE, "-d", "--cpu", "1", "--memory", "300").strip()
+    try:
+        detail = next(x for x in json.loads(ok(env, "ls")) if x["sandboxID"] == sid)
+        assert (detail["cpuCount"], detail["memoryMB"]) == (1, 300)
+    finally:
+        ok(env, "rm", sid)
     before = set(listed(env))
-    r = aenv(env, "start", TEMPLATE, "-d", "--cpu", "7")
-    line = one_line_error(r, 1)
-    assert "cannot size sandboxes" in line
+    r = aenv(env, "start", TEMPLATE, "-d", "--cpu", "4096")
+    line = one_line_error(r, 64)
+    assert "cpuCount must be between 1 and" in line
     assert set(listed(env)) == before
 
 
