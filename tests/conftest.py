@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -147,7 +148,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
         pytest.skip("needs root and AENV_TEST_HOME built by `make test`")
     # A private home whose bundle and templates link to the built ones: a node
     # clears its home's sandboxes at start, so two runs must never share one.
-    private = tmp_path_factory.mktemp("node")
+    # (outside pytest's basetemp, which another pytest run on the machine may rotate away)
+    private = Path(tempfile.mkdtemp(prefix="aenv-test-node-"))
     for part in ("bundle", "templates"):
         (private / part).symlink_to(home / part)
     log_path = private / "node.log"
@@ -171,6 +173,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
             print(n.log_tail(), file=sys.stderr)
         assert code == 0, f"node exited with {code}"
         assert not left, f"node left behind: {left}"
+        shutil.rmtree(private, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
