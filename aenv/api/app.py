@@ -34,6 +34,10 @@ from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import (
     ExtendTimeout,
     GetUsage,
+    Pause,
+    PauseError,
+    Resume,
+    ResumeError,
     SandboxActor,
     SandboxNotRunning,
     SetNetwork,
@@ -103,7 +107,7 @@ def _matches(a: SandboxActor, meta: dict[str, str]) -> bool:
 
 
 def _visible(a: SandboxActor) -> bool:
-    return a.state.value in ("running", "paused")
+    return a.state.value in ("running", "pausing", "paused", "resuming")
 
 
 def create_app(node: Node) -> QuartTrio:
@@ -360,16 +364,57 @@ def create_app(node: Node) -> QuartTrio:
         return _json({"logs": [views.log_entry(e) for e in entries[:limit]]})
 
     async def connect(sandbox_id: str) -> Response:
+        """Running: extend the timeout, 200. Paused: resume with it, 201."""
         try:
             timeout = rq.parse_connect(await _body(), node.limits)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
         a = sandbox(sandbox_id)
-        await ask(a, ExtendTimeout(timeout))
-        return _json(views.sandbox_created(a, domain), 200)
+        resumed = await _resume(a, timeout)
+        if not resumed:
+            await ask(a, ExtendTimeout(timeout))
+        return _json(views.sandbox_created(a, domain), 201 if resumed else 200)
+
+    async def _resume(a: SandboxActor, ttl_s: int) -> bool:
+        try:
+            return bool(await a.mailbox.ask(Resume(ttl_s), timeout=120))
+        except ActorGone:
+            raise ApiError(404, f"sandbox {a.sandbox_id!r} not found") from None
+        except SandboxNotRunning as e:
+            raise ApiError(409, str(e)) from None
+        except ResumeError as e:
+            raise ApiError(500, str(e)) from None
 
     app.add_url_rule("/sandboxes/<sandbox_id>/connect", "connect_v1", connect, methods=["POST"])
     app.add_url_rule("/v2/sandboxes/<sandbox_id>/connect", "connect_v2", connect, methods=["POST"])
+
+    @app.post("/sandboxes/<sandbox_id>/resume")
+    async def resume(sandbox_id: str) -> Response:
+        try:
+            timeout = rq.parse_connect(await _body(), node.limits)
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        a = sandbox(sandbox_id)
+        if not await _resume(a, timeout):
+            raise ApiError(409, f"sandbox {sandbox_id!r} is already running")
+        return _json(views.sandbox_created(a, domain), 201)
+
+    @app.post("/sandboxes/<sandbox_id>/pause")
+    async def pause(sandbox_id: str) -> Response:
+        try:
+            mode = rq.parse_pause(await _body())
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        a = sandbox(sandbox_id)
+        try:
+            await a.mailbox.ask(Pause(mode), timeout=120)
+        except ActorGone:
+            raise ApiError(404, f"sandbox {sandbox_id!r} not found") from None
+        except SandboxNotRunning as e:
+            raise ApiError(409, str(e)) from None
+        except PauseError as e:
+            raise ApiError(500, str(e)) from None
+        return _no_content()
 
     def not_yet(what: str) -> Callable[..., Awaitable[Response]]:
         async def handler(**kw: str) -> Response:
@@ -381,8 +426,6 @@ def create_app(node: Node) -> QuartTrio:
         return handler
 
     for path, what in [
-        ("/sandboxes/<sandbox_id>/pause", "pause"),
-        ("/sandboxes/<sandbox_id>/resume", "resume"),
         ("/sandboxes/<sandbox_id>/fork", "fork"),
         ("/sandboxes/<sandbox_id>/snapshots", "snapshots"),
     ]:

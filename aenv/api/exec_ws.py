@@ -424,7 +424,9 @@ def register(app: QuartTrio, node: Node, error_response: Any) -> None:
             await websocket.send(json.dumps({"type": "error", "message": str(e)}))
             await websocket.close(1008)
             return None
-        session = ExecSession(websocket, EnvdProcessClient(node.http, actor, spec.user), spec)
+        session = ExecSession(
+            websocket, EnvdProcessClient(actor.http or node.http, actor, spec.user), spec
+        )
         await session.run()
         await websocket.close(1000)
         return None

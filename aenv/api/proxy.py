@@ -94,9 +94,9 @@ class SandboxProxy:
         if target is None:
             await self.app(scope, receive, send)
             return
-        upstream = self._upstream(target, headers)
-        if isinstance(upstream, tuple):
-            status, message = upstream
+        found = self._upstream(target, headers)
+        if isinstance(found[0], int):
+            status, message = found
             if scope["type"] == "http":
                 await _send_error(send, status, message, sandboxId=target.sandbox_id)
             else:
@@ -104,26 +104,37 @@ class SandboxProxy:
             return
         if scope["type"] == "http":
             self.node.m_proxied.inc(kind="envd" if target.port == ENVD_PORT else "http")
-            await self._http(scope, receive, send, upstream, headers)
+            address, client = found
+            assert isinstance(address, str) and isinstance(client, httpx.AsyncClient)
+            await self._http(scope, receive, send, address, client, headers)
         else:
             self.node.m_proxied.inc(kind="websocket")
-            await self._websocket(scope, receive, send, upstream)
+            assert isinstance(found[0], str)
+            await self._websocket(scope, receive, send, found[0])
 
-    def _upstream(self, target: Route, headers: dict[str, str]) -> str | tuple[int, str]:
+    def _upstream(
+        self, target: Route, headers: dict[str, str]
+    ) -> tuple[str, httpx.AsyncClient] | tuple[int, str]:
         try:
             actor = self.node.get(target.sandbox_id)
         except SandboxNotFound:
             return 502, f"The sandbox {target.sandbox_id} was not found"
-        if actor.state.value != "running" or actor.sandbox_ip is None:
+        if actor.state.value != "running" or actor.sandbox_ip is None or actor.http is None:
             return 502, f"The sandbox {target.sandbox_id} is {actor.state.value}"
         if not actor.allow_public_traffic and target.port != ENVD_PORT:
             token = headers.get("e2b-traffic-access-token", "")
             if not hmac.compare_digest(token.encode(), actor.traffic_access_token.encode()):
                 return 403, "missing or invalid e2b-traffic-access-token"
-        return f"{actor.sandbox_ip}:{target.port}"
+        return f"{actor.sandbox_ip}:{target.port}", actor.http
 
     async def _http(
-        self, scope: Scope, receive: Receive, send: Send, upstream: str, headers: dict[str, str]
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        upstream: str,
+        client: httpx.AsyncClient,
+        headers: dict[str, str],
     ) -> None:
         path = scope.get("raw_path") or scope["path"].encode()
         url = f"http://{upstream}{path.decode('latin-1')}"
@@ -149,7 +160,6 @@ class SandboxProxy:
                 body_done.set()
 
         has_body = scope["method"] not in ("GET", "HEAD", "OPTIONS") or "content-length" in headers
-        client = self.node.http
         request = client.build_request(
             scope["method"],
             url,

@@ -17,9 +17,12 @@ def iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.UTC).isoformat().replace("+00:00", "Z")
 
 
+PAUSED_STATES = frozenset({"pausing", "paused", "resuming"})
+
+
 def api_state(a: SandboxActor) -> str:
     # E2B knows only running and paused; creating/stopping sandboxes are not listed.
-    return "paused" if a.state.value == "paused" else "running"
+    return "paused" if a.state.value in PAUSED_STATES else "running"
 
 
 def sandbox_created(a: SandboxActor, domain: str | None) -> dict[str, Any]:
@@ -71,6 +74,8 @@ def sandbox_detail(a: SandboxActor, domain: str | None) -> dict[str, Any]:
             "lifecycle": {"autoResume": False, "onTimeout": "pause" if a.auto_pause else "kill"},
         }
     )
+    if a.state.value == "paused":
+        d["pauseMode"] = a.pause_mode
     return d
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 import secrets
+import shutil
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ log = logging.getLogger("aenv.sandbox")
 
 ENVD_READY_TIMEOUT_S = 60.0
 LOG_LINES = 1000
+# control calls to envd leave no idle connection behind (a checkpoint would hold it)
+_CLOSE = {"Connection": "close"}
+_CLOSE_GRACE_S = 0.05
 
 
 class SandboxNotRunning(Exception):
@@ -50,6 +54,14 @@ class SandboxNotRunning(Exception):
 
 class EnvdUnavailable(Exception):
     pass
+
+
+class PauseError(Exception):
+    """The pause failed; the sandbox is still running."""
+
+
+class ResumeError(Exception):
+    """The resume failed; the sandbox is still paused."""
 
 
 # -- mailbox messages ---------------------------------------------------------
@@ -83,7 +95,20 @@ class GetUsage:
     pass
 
 
-Msg = SetTimeout | ExtendTimeout | Kill | SetNetwork | GetUsage
+@dataclass(frozen=True)
+class Pause:
+    # "full": memory and filesystem; "filesystem": resuming boots fresh from it
+    mode: str = "full"
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Answers True if the sandbox was resumed, False if it was already running."""
+
+    timeout_s: int | None = None
+
+
+Msg = SetTimeout | ExtendTimeout | Kill | SetNetwork | GetUsage | Pause | Resume
 
 
 @dataclass(frozen=True)
@@ -110,16 +135,26 @@ class SandboxActor:
         self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
         self.started_at = time.time()
-        self.lifecycle = lc.Lifecycle()
+        self.lifecycle = lc.Lifecycle(auto_pause=req.auto_pause)
+        # what the next (or the latest) pause saves: "full" or "filesystem"
+        self.pause_mode = "full" if req.auto_pause_memory else "filesystem"
+        self.paused_at: float | None = None
         self.mailbox: Mailbox[Msg] = Mailbox(f"sandbox {sandbox_id}", capacity=32)
         self.sandbox_ip: str | None = None
         self.stopped = trio.Event()
         self.was_started = False
         self._timeout_s = req.timeout_s
         self._running: RunningSandbox | None = None
+        # Node -> sandbox HTTP (envd control calls, proxied traffic) for the
+        # current running period. A checkpoint must not catch idle keep-alive
+        # connections (envd does not survive restoring them), so pausing closes
+        # this client first and resuming opens a new one.
+        self.http: httpx.AsyncClient | None = None
         self._slot: NetSlot | None = None
         self._serve_scope: trio.CancelScope | None = None
         self._killers: list[Request[Msg]] = []
+        self._pausers: list[Request[Msg]] = []
+        self._resumers: list[Request[Msg]] = []
         self._logs: collections.deque[LogEntry] = collections.deque(maxlen=LOG_LINES)
         self.workdir: Path = node.config.sandboxes_dir / sandbox_id
 
@@ -159,43 +194,32 @@ class SandboxActor:
     async def run(
         self, *, task_status: trio.TaskStatus[SandboxActor] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """The sandbox's whole life: periods of running, separated by pauses.
+
+        The writable root is mounted for the whole life. Each running period
+        has its own network slot and runtime sandbox: pausing checkpoints the
+        runtime (full) or stops it (filesystem), and releases the slot, so a
+        paused sandbox holds no CPU, no memory and no network namespace.
+        Resuming restores the image (or boots fresh on the same root) into a
+        new slot.
+        """
         node = self.node
         started = self.was_started = False
         try:
-            async with AsyncExitStack() as stack:
+            async with AsyncExitStack() as life:
                 self._log("creating", template=self.template.template_id)
-                slot = await stack.enter_async_context(node.network.open_slot(self.policy))
-                self._slot = slot
-                self.sandbox_ip = slot.sandbox_ip
-                root = await stack.enter_async_context(
+                root = await life.enter_async_context(
                     open_writable_root([self.template.rootfs], self.workdir / "disk")
                 )
-                argv, env = envd_command(ENVD_PORT)
-                spec = SandboxSpec(
-                    sandbox_id=self.sandbox_id,
-                    rootfs=root,
-                    bundle=node.config.bundle_dir,
-                    netns_path=slot.netns_path,
-                    cpu_count=self.cpu_count,
-                    memory_mb=self.memory_mb,
-                    hostname="sandbox",  # what the template's /etc/hosts names
-                    workdir=self.workdir / "runtime",
-                    log_path=self.workdir / "console.log",
-                    init_argv=tuple(argv),
-                    init_env=env,
-                )
-                self._running = await stack.enter_async_context(node.runtime.open_sandbox(spec))
-                await self._init_envd()
-                self.lifecycle.step(lc.Ready(trio.current_time(), self._timeout_s))
-                self._log("running")
-                started = self.was_started = True
-                task_status.started(self)
-                try:
-                    await self._serve()
-                except Exception as exc:  # supervision: contain this sandbox's failure
-                    log.exception("sandbox %s failed", self.sandbox_id)
-                    self.lifecycle.step(lc.Crashed(repr(exc)))
-                    self._log(f"failed: {exc!r}", level="error")
+                image: Path | None = None
+                while True:
+                    stopping = await self._run_period(root, image, task_status, first=not started)
+                    started = self.was_started = True
+                    if stopping:
+                        break
+                    image = self._image_dir if self.pause_mode == "full" else None
+                    if not await self._serve_paused():
+                        break
                 self._log(
                     f"stopping: {self.lifecycle.reason.value if self.lifecycle.reason else 'unknown'}"
                 )
@@ -213,15 +237,142 @@ class SandboxActor:
             self.stopped.set()
             for req in self._killers:
                 req.reply(None)
+            for req in self._pausers + self._resumers:
+                req.fail(SandboxNotRunning(self.sandbox_id, self.lifecycle.state))
 
-    async def _init_envd(self) -> None:
+    async def _run_period(
+        self,
+        root: Path,
+        image: Path | None,
+        task_status: trio.TaskStatus[SandboxActor],
+        *,
+        first: bool,
+    ) -> bool:
+        """Run until stopped (returns True) or paused (returns False)."""
+        node = self.node
+        async with AsyncExitStack() as period:
+            try:
+                slot = await period.enter_async_context(node.network.open_slot(self.policy))
+                self._slot = slot
+                self.sandbox_ip = slot.sandbox_ip
+                argv, env = envd_command(ENVD_PORT)
+                spec = SandboxSpec(
+                    sandbox_id=self.sandbox_id,
+                    rootfs=root,
+                    bundle=node.config.bundle_dir,
+                    netns_path=slot.netns_path,
+                    cpu_count=self.cpu_count,
+                    memory_mb=self.memory_mb,
+                    hostname="sandbox",  # what the template's /etc/hosts names
+                    workdir=self.workdir / "runtime",
+                    log_path=self.workdir / "console.log",
+                    init_argv=tuple(argv),
+                    init_env=env,
+                )
+                self.http = await period.enter_async_context(
+                    httpx.AsyncClient(
+                        limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
+                        timeout=httpx.Timeout(30.0),
+                        trust_env=False,
+                    )
+                )
+                opener = (
+                    node.runtime.open_sandbox(spec)
+                    if image is None
+                    else node.runtime.open_restored(spec, image)
+                )
+                self._running = await period.enter_async_context(opener)
+                await self._init_envd(resumed=image is not None)
+            except Exception as exc:
+                if first:
+                    raise
+                # a failed resume leaves the sandbox paused, its image intact
+                self.lifecycle.step(lc.ResumeFailed(repr(exc)))
+                self._log(f"resume failed: {exc!r}", level="error")
+                for req in self._resumers:
+                    req.fail(ResumeError(f"resume failed: {exc}"))
+                self._resumers.clear()
+                self._running = None
+                return False
+            if first:
+                self.lifecycle.step(lc.Ready(trio.current_time(), self._timeout_s))
+                self._log("running")
+                task_status.started(self)
+            else:
+                self.lifecycle.step(lc.Resumed(trio.current_time()))
+                self._log("resumed")
+                for req in self._resumers:
+                    req.reply(True)
+                self._resumers.clear()
+            try:
+                while True:
+                    await self._serve()
+                    if self.lifecycle.state is not lc.State.PAUSING:
+                        return True
+                    if await self._pause():
+                        return False
+            except Exception as exc:  # supervision: contain this sandbox's failure
+                log.exception("sandbox %s failed", self.sandbox_id)
+                if self.lifecycle.can(lc.Crashed("")):
+                    self.lifecycle.step(lc.Crashed(repr(exc)))
+                self._log(f"failed: {exc!r}", level="error")
+                return True
+            finally:
+                self._running = None
+                self._slot = None
+                self.sandbox_ip = None
+                self.http = None
+
+    @property
+    def _image_dir(self) -> Path:
+        return self.workdir / "checkpoint"
+
+    async def _pause(self) -> bool:
+        """Checkpoint (full) or stop (filesystem) the runtime; False keeps it running."""
+        assert self._running is not None
+        now = trio.current_time()
+        try:
+            if self.http is not None:
+                await self.http.aclose()  # no idle connection may be checkpointed
+                await trio.sleep(_CLOSE_GRACE_S)  # let envd see the FINs
+            if self.pause_mode == "full":
+                tmp = self.workdir / "checkpoint.tmp"
+                await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
+                tmp.mkdir(parents=True)
+                await self._running.checkpoint(tmp, leave_running=False)
+                await trio.to_thread.run_sync(shutil.rmtree, self._image_dir, True)
+                tmp.rename(self._image_dir)
+        except Exception as exc:
+            self.lifecycle.step(lc.PauseFailed(now, repr(exc)))
+            self._log(f"pause failed, still running: {exc!r}", level="error")
+            for req in self._pausers:
+                req.fail(PauseError(f"pause failed: {exc}"))
+            self._pausers.clear()
+            return False
+        self.lifecycle.step(lc.Paused(trio.current_time()))
+        self.paused_at = time.time()
+        self._log(f"paused ({self.pause_mode})")
+        for req in self._pausers:
+            req.reply(None)
+        self._pausers.clear()
+        return True
+
+    async def _serve_paused(self) -> bool:
+        """Wait, paused, for resume (True) or kill (False). No TTL runs while paused."""
+        while self.lifecycle.state is lc.State.PAUSED:
+            req = await self.mailbox.receive()
+            await self._handle(req)
+        return self.lifecycle.state is lc.State.RESUMING
+
+    async def _init_envd(self, *, resumed: bool = False) -> None:
         assert self.sandbox_ip is not None
         base = f"http://{self.sandbox_ip}:{ENVD_PORT}"
-        client = self.node.http
+        client = self.http
+        assert client is not None
         with trio.move_on_after(ENVD_READY_TIMEOUT_S) as scope:
             while True:
                 try:
-                    r = await client.get(f"{base}/health", timeout=2.0)
+                    r = await client.get(f"{base}/health", headers=_CLOSE, timeout=2.0)
                     if r.status_code in (200, 204):
                         break
                 except httpx.TransportError:
@@ -237,7 +388,9 @@ class SandboxActor:
             "defaultWorkdir": "/home/user",
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        r = await client.post(f"{base}/init", json=body, timeout=10.0)
+        # after a resume envd already holds the token and wants it to re-init
+        headers = {**_CLOSE, **({"X-Access-Token": self.envd_access_token} if resumed else {})}
+        r = await client.post(f"{base}/init", json=body, headers=headers, timeout=10.0)
         if r.status_code >= 300:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}: {r.text[:200]}")
 
@@ -268,27 +421,49 @@ class SandboxActor:
     async def _handle(self, req: Request[Msg]) -> None:
         msg = req.msg
         try:
+            paused = self.lifecycle.state is lc.State.PAUSED
             match msg:
                 case SetTimeout(timeout_s):
+                    if paused:
+                        raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
                     self.lifecycle.step(lc.SetTimeout(trio.current_time(), timeout_s))
                     req.reply(None)
                 case ExtendTimeout(timeout_s):
                     now = trio.current_time()
                     current = self.lifecycle.deadline or now
-                    if now + timeout_s > current:
+                    if not paused and now + timeout_s > current:
                         self.lifecycle.step(lc.SetTimeout(now, timeout_s))
                     req.reply(None)
                 case Kill():
                     self.lifecycle.step(lc.Kill())
                     self._killers.append(req)  # answered once teardown is done
                 case SetNetwork(policy, allow_internet):
-                    await self._set_network(policy)
+                    if paused:
+                        self.policy = policy  # applied to the next running period's slot
+                    else:
+                        await self._set_network(policy)
                     self.allow_internet_access = allow_internet
                     req.reply(None)
                 case GetUsage():
-                    assert self._running is not None
-                    usage: Usage = await self._running.usage()
-                    req.reply(usage)
+                    if self._running is None:
+                        req.reply(Usage(cpu_used_pct=0.0, mem_used_bytes=0, mem_total_bytes=0))
+                    else:
+                        usage: Usage = await self._running.usage()
+                        req.reply(usage)
+                case Pause(mode):
+                    if self.lifecycle.state is not lc.State.RUNNING:
+                        raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
+                    self.pause_mode = mode
+                    self.lifecycle.step(lc.Pause(trio.current_time()))
+                    self._pausers.append(req)  # answered once the pause is done
+                case Resume(timeout_s):
+                    if self.lifecycle.state is lc.State.RUNNING:
+                        req.reply(False)
+                    elif paused:
+                        self.lifecycle.step(lc.Resume(trio.current_time(), timeout_s))
+                        self._resumers.append(req)  # answered once running again
+                    else:
+                        raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
         except Exception as exc:
             req.fail(exc)
 

@@ -44,6 +44,8 @@ class NewSandbox:
     allow_internet_access: bool | None = None
     allow_public_traffic: bool = True
     auto_pause: bool = False
+    # what an auto-pause saves: memory and filesystem (True) or the filesystem only
+    auto_pause_memory: bool = True
     # aenv extension: size this sandbox instead of using the template's default
     cpu_count: int | None = None
     memory_mb: int | None = None
@@ -104,8 +106,6 @@ def _bounded_int(body: Mapping[str, Any], key: str, low: int, high: int) -> int 
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    if _bool(body, "autoPause"):
-        raise BadRequest("autoPause is not supported by this node yet (pause is not available)")
     auto_resume = body.get("autoResume")
     if auto_resume is not None and _obj(auto_resume, "autoResume").get("enabled") is True:
         raise BadRequest("autoResume is not supported by this node yet")
@@ -166,6 +166,7 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
         allow_internet_access=allow_internet,
         allow_public_traffic=allow_public,
         auto_pause=bool(_bool(b, "autoPause")),
+        auto_pause_memory=_bool(b, "autoPauseMemory") is not False,
         cpu_count=_bounded_int(b, "cpuCount", 1, limits.max_cpu),
         memory_mb=_bounded_int(b, "memoryMB", 128, limits.max_memory_mb),
     )
@@ -194,9 +195,20 @@ def parse_network_update(body: object) -> tuple[EgressPolicy, bool | None]:
 
 
 def parse_connect(body: object, limits: Limits) -> int:
+    """POST /sandboxes/{id}/connect and /resume: the timeout to run with afterwards."""
     if body is None:
         return limits.default_timeout_s
     b = _obj(body, "request body")
-    if b.get("memory") is False:
+    if _bool(b, "memory") is False:
         raise BadRequest("memory: false (cold boot from disk) is not supported by this node yet")
+    if b.get("autoPause") is not None:
+        _bool(b, "autoPause")
     return parse_timeout(b.get("timeout"), limits)
+
+
+def parse_pause(body: object) -> str:
+    """POST /sandboxes/{id}/pause: 'full' (memory and filesystem) or 'filesystem'."""
+    if body is None:
+        return "full"
+    b = _obj(body, "request body")
+    return "filesystem" if _bool(b, "memory") is False else "full"

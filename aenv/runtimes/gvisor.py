@@ -45,7 +45,7 @@ import trio
 
 from aenv.runtimes.base import CheckpointError, RunningSandbox, Runtime, SandboxSpec, Usage
 
-__all__ = ["GVisorError", "GVisorRuntime", "GVisorSandbox"]
+__all__ = ["GVisorCheckpointError", "GVisorError", "GVisorRuntime", "GVisorSandbox"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Where the guest sees SandboxSpec.bundle; equals aenv.storage.bundle.BUNDLE_MOUNT

@@ -185,13 +185,12 @@ class LayerStore:
         tree.mkdir()
         for layer in reversed(stack.layers):  # bottom up: upper layers override
             _apply_layer(layer.path, tree, {})
-        top_meta = os.lstat(stack.layers[0].path)
-        os.chown(tree, top_meta.st_uid, top_meta.st_gid)
-        os.chmod(tree, stat.S_IMODE(top_meta.st_mode))
         _syncfs(tree)
         return self._publish(layer_id, staging, below=(), base=stack.base, moved_from=None)
 
-    async def limit_depth(self, stack: LayerStack, max_depth: int = DEFAULT_MAX_DEPTH) -> LayerStack:
+    async def limit_depth(
+        self, stack: LayerStack, max_depth: int = DEFAULT_MAX_DEPTH
+    ) -> LayerStack:
         """`stack` itself if it has at most `max_depth` store layers, else it compacted."""
         if stack.depth <= max_depth:
             return stack

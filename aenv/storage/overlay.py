@@ -7,7 +7,9 @@ is what pause, snapshot and fork freeze into a new layer. `open_writable_root`
 owns one such mount for the length of an `async with` block and removes it,
 and its scratch directory, on the way out, also when cancelled;
 `reap_stale_mounts` clears what a crashed node left behind. mount(8) and
-umount(8) run in worker threads.
+umount(8) run in worker threads. To keep the upper (pause, snapshot, fork),
+`unmount_root` unmounts the overlay inside the block and hands back the
+upper directory for `aenv.storage.layers.LayerStore.freeze` to move away.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,6 +29,7 @@ __all__ = [
     "OverlayError",
     "open_writable_root",
     "reap_stale_mounts",
+    "unmount_root",
 ]
 
 # The kernel copies mount options into a single page; longer strings fail.
@@ -62,6 +66,33 @@ async def open_writable_root(lowers: Sequence[Path], workdir: Path) -> AsyncIter
     finally:
         with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
             await trio.to_thread.run_sync(_remove, workdir, abandon_on_cancel=True)
+
+
+async def unmount_root(workdir: Path) -> Path:
+    """Unmount the overlay of an `open_writable_root(lowers, workdir)` block now.
+
+    Returns its upper directory, which nothing writes to any more; the
+    caller may move it away (freeze it) before the block is left. Raises
+    OverlayError if the overlay stays mounted (a process still uses it).
+    """
+    merged = workdir / "merged"
+    await trio.to_thread.run_sync(_unmount_strict, merged)
+    return workdir / "upper"
+
+
+def _unmount_strict(mountpoint: Path, retry_s: float = 2.0) -> None:
+    # Processes that just exited (a checkpointed sandbox's gofer) may pin
+    # the mount for a moment: retry briefly, never detach lazily.
+    deadline = time.monotonic() + retry_s
+    while _is_mountpoint(mountpoint):
+        proc = subprocess.run(
+            ["umount", str(mountpoint)], capture_output=True, text=True, check=False
+        )
+        if proc.returncode == 0 or not _is_mountpoint(mountpoint):
+            return
+        if time.monotonic() > deadline:
+            raise OverlayError(f"unmounting {mountpoint} failed: {proc.stderr.strip()}")
+        time.sleep(0.05)
 
 
 def reap_stale_mounts(root: Path) -> None:

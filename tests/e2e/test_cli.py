@@ -139,10 +139,18 @@ def test_start_sizes_the_sandbox(env: dict[str, str]) -> None:
     assert set(listed(env)) == before
 
 
+def test_pause_and_resume(env: dict[str, str], sid: str) -> None:
+    ok(env, "pause", sid)
+    state = next(x["state"] for x in json.loads(ok(env, "ls")) if x["sandboxID"] == sid)
+    assert state == "paused"
+    line = one_line_error(aenv(env, "pause", sid), 1)
+    assert "paused" in line
+    ok(env, "resume", sid)
+    assert ok(env, "exec", sid, "--", "echo", "back") == "back\n"
+
+
 def test_operations_the_node_lacks_fail_clearly(env: dict[str, str], sid: str) -> None:
     for args in (
-        ["pause", sid],
-        ["resume", sid],
         ["fork", sid, "--count", "2"],
         ["snapshot", "create", sid, "--name", "s1"],
         ["snapshot", "list"],
