@@ -204,7 +204,8 @@ def valid_new_sandbox(limits: Limits) -> st.SearchStrategy[dict[str, Any]]:
             "allow_internet_access": st.booleans() | st.none(),
             "network": _network(valid=True) | st.none(),
             "secure": st.booleans(),
-            "autoPause": st.just(False) | st.none(),
+            "autoPause": st.booleans() | st.none(),
+            "autoPauseMemory": st.booleans() | st.none(),
             "autoResume": st.fixed_dictionaries({}, optional={"enabled": st.just(False)}),
             "mcp": st.just({}) | st.none(),
             "volumeMounts": st.just([]) | st.none(),
@@ -221,7 +222,8 @@ _field_garbage: dict[str, st.SearchStrategy[Any]] = {
     "envVars": odd_str_maps | json_values,
     "allow_internet_access": json_values,
     "network": _network(valid=False) | json_values,
-    "autoPause": st.just(True) | json_values,
+    "autoPause": json_values,
+    "autoPauseMemory": json_values,
     "autoResume": st.just({"enabled": True}) | json_values,
     "mcp": json_values,
     "volumeMounts": json_values,
@@ -301,7 +303,8 @@ def _check_new_sandbox(r: NewSandbox, body: Mapping[str, Any], limits: Limits) -
     assert r.allow_internet_access is body.get("allow_internet_access")
     public = net.get("allowPublicTraffic") if isinstance(net, Mapping) else None
     assert r.allow_public_traffic is (True if public is None else public)
-    assert r.auto_pause is False
+    assert r.auto_pause is (body.get("autoPause") is True)
+    assert r.auto_pause_memory is (body.get("autoPauseMemory") is not False)
 
 
 def _rejected(e: BadRequest) -> None:

@@ -30,7 +30,7 @@ BAD_CREATES = [
     (b'{"templateID": "base", "timeout": "10"}', 400),
     (b'{"templateID": "base", "metadata": {"a": 1}}', 400),
     (b'{"templateID": "base", "envVars": "x"}', 400),
-    (b'{"templateID": "base", "autoPause": true}', 400),
+    (b'{"templateID": "base", "autoPause": "yes"}', 400),
     (b'{"templateID": "base", "volumeMounts": [{"name": "v", "path": "/v"}]}', 400),
     (b'{"templateID": "base", "network": {"allowOut": ["not-a-cidr/99"]}}', 400),
     (b'{"templateID": "base", "network": {"egressProxy": {"address": "x"}}}', 400),

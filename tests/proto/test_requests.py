@@ -44,7 +44,7 @@ def test_sdk_shaped_create() -> None:
         ({"templateID": "b", "timeout": -5}, "negative"),
         ({"templateID": "b", "timeout": 3601}, "at most"),
         ({"templateID": "b", "timeout": True}, "integer"),
-        ({"templateID": "b", "autoPause": True}, "autoPause"),
+        ({"templateID": "b", "autoPause": 1}, "autoPause must be a boolean"),
         ({"templateID": "b", "autoResume": {"enabled": True}}, "autoResume"),
         ({"templateID": "b", "mcp": {"x": {}}}, "mcp"),
         ({"templateID": "b", "network": {"httpsPorts": [443]}}, "httpsPorts"),
