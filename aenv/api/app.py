@@ -33,6 +33,7 @@ from aenv.kit.mailbox import ActorGone, Busy
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import (
     ExtendTimeout,
+    Fork,
     GetUsage,
     Pause,
     PauseError,
@@ -425,8 +426,32 @@ def create_app(node: Node) -> QuartTrio:
 
         return handler
 
+    @app.post("/sandboxes/<sandbox_id>/fork")
+    async def fork(sandbox_id: str) -> Response:
+        """Capture once, resume the source, start `count` independent children."""
+        try:
+            count, ttl = rq.parse_fork(await _body(), node.limits)
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        a = sandbox(sandbox_id)
+        try:
+            results = await a.mailbox.ask(Fork(count, ttl), timeout=600)
+        except ActorGone:
+            raise ApiError(404, f"sandbox {sandbox_id!r} not found") from None
+        except SandboxNotRunning as e:
+            raise ApiError(409, str(e)) from None
+        except PauseError as e:
+            raise ApiError(500, str(e)) from None
+        out: list[dict[str, Any]] = []
+        for r in results:
+            if isinstance(r, SandboxActor):
+                out.append({"sandbox": views.sandbox_created(r, domain)})
+            else:
+                status = 429 if isinstance(r, Busy) else 500
+                out.append({"error": {"code": status, "message": f"fork failed: {r}"}})
+        return _json(out, 201)
+
     for path, what in [
-        ("/sandboxes/<sandbox_id>/fork", "fork"),
         ("/sandboxes/<sandbox_id>/snapshots", "snapshots"),
     ]:
         app.add_url_rule(path, f"not_yet_{what}", not_yet(what), methods=["POST"])

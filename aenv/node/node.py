@@ -17,23 +17,27 @@ import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
 
 from aenv.config import Config
-from aenv.kit.mailbox import Busy
+from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
-from aenv.node.sandbox import SandboxActor
+from aenv.node.sandbox import Fork, SandboxActor
 from aenv.proto import ids
 from aenv.proto.requests import Limits, NewSandbox
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
 from aenv.runtimes.netns import HostNetwork, open_host_network
+from aenv.storage.layers import LayerStore
 from aenv.storage.overlay import reap_stale_mounts
 from aenv.storage.templates import TemplateStore
 
 log = logging.getLogger("aenv.node")
+
+LAYER_GC_MIN_AGE_S = 60.0
 
 
 class SandboxNotFound(LookupError):
@@ -81,6 +85,7 @@ class Node:
         self.runtime = runtime
         self.network = network
         self.templates = templates
+        self.layers = LayerStore(config.home / "layers")
         self.http = http
         self.api_key = api_key
         self.limits = Limits(
@@ -135,6 +140,17 @@ class Node:
             self.m_stopped.inc(reason=reason)
         shutil.rmtree(actor.workdir, ignore_errors=True)
 
+    async def collect_layers(self) -> None:
+        """Remove frozen layers no sandbox uses (young ones stay: one may be mid-freeze)."""
+        live = {lid for a in self._sandboxes.values() for lid in a.stack.ids()}
+        try:
+            removed = await self.layers.gc(live, min_age_s=LAYER_GC_MIN_AGE_S)
+        except Exception:
+            log.exception("layer garbage collection failed")
+            return
+        if removed:
+            log.info("removed %d unused layers", len(removed))
+
     # -- operations ----------------------------------------------------------
 
     async def create(self, req: NewSandbox) -> SandboxActor:
@@ -164,6 +180,41 @@ class Node:
             if not actor.was_started:
                 raise
             log.exception("sandbox %s crashed", actor.sandbox_id)
+
+    def spawn_forks(self, parent: SandboxActor, image: Path, fork: Fork, req: Request[Any]) -> None:
+        """Start `fork.count` children of `parent` in the background; `req` gets the results."""
+        self._nursery.start_soon(self._forks, parent, image, fork, req)
+
+    async def _forks(
+        self, parent: SandboxActor, image: Path, fork: Fork, req: Request[Any]
+    ) -> None:
+        results: list[SandboxActor | Exception] = [
+            RuntimeError("fork not attempted") for _ in range(fork.count)
+        ]
+
+        async def one(i: int) -> None:
+            try:
+                if len(self._sandboxes) >= self.config.max_sandboxes:
+                    raise Busy("node (sandbox limit reached)", retry_after=5.0)
+                sandbox_id = ids.new_sandbox_id(self.config.node_tag)
+                child = SandboxActor.fork_of(parent, sandbox_id, image, fork.timeout_s)
+                self._sandboxes[sandbox_id] = child
+                try:
+                    await self._nursery.start(self._supervise, child)
+                except BaseException:
+                    self._sandboxes.pop(sandbox_id, None)
+                    raise
+                self.m_created.inc()
+                results[i] = child
+            except Exception as exc:
+                self.m_create_failed.inc()
+                log.warning("fork %d of %s failed: %r", i, parent.sandbox_id, exc)
+                results[i] = exc
+
+        async with trio.open_nursery() as n:
+            for i in range(fork.count):
+                n.start_soon(one, i)
+        req.reply(results)
 
     async def kill(self, sandbox_id: str) -> None:
         from aenv.node.sandbox import Kill
@@ -209,6 +260,8 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             nursery=nursery,
             api_key=api_key,
         )
+        # nothing survives a restart yet: every layer of an earlier process is garbage
+        await node.layers.gc(set())
         try:
             yield node
         finally:

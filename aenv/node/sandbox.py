@@ -31,7 +31,8 @@ from aenv.proto.requests import NewSandbox
 from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
 from aenv.runtimes.netns import NetSlot
 from aenv.storage.bundle import envd_command
-from aenv.storage.overlay import open_writable_root
+from aenv.storage.layers import LayerStack
+from aenv.storage.overlay import open_writable_root, unmount_root
 from aenv.storage.templates import Template
 
 if TYPE_CHECKING:
@@ -108,7 +109,15 @@ class Resume:
     timeout_s: int | None = None
 
 
-Msg = SetTimeout | ExtendTimeout | Kill | SetNetwork | GetUsage | Pause | Resume
+@dataclass(frozen=True)
+class Fork:
+    """Answers one `SandboxActor | Exception` per child, in order."""
+
+    count: int
+    timeout_s: int
+
+
+Msg = SetTimeout | ExtendTimeout | Kill | SetNetwork | GetUsage | Pause | Resume | Fork
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,18 @@ class SandboxActor:
         # connections (envd does not survive restoring them), so pausing closes
         # this client first and resuming opens a new one.
         self.http: httpx.AsyncClient | None = None
+        self._runtime_stack: AsyncExitStack | None = None
+        # The sandbox's read-only layers (frozen uppers over the template) and
+        # the memory image the next running period restores (None: boot).
+        self.stack = LayerStack.of_base([template.rootfs])
+        self._resume_image: Path | None = None
+        self._shared_images: set[Path] = set()
+        # set on a fork child: the parent's envd token, which the child rotates
+        self._prior_token: str | None = None
+        self._period = 0
+        self._captures = 0
+        self._fork: tuple[Fork, Request[Msg], str] | None = None
+        self._keep_deadline: float | None = None
         self._slot: NetSlot | None = None
         self._serve_scope: trio.CancelScope | None = None
         self._killers: list[Request[Msg]] = []
@@ -196,33 +217,31 @@ class SandboxActor:
     ) -> None:
         """The sandbox's whole life: periods of running, separated by pauses.
 
-        The writable root is mounted for the whole life. Each running period
-        has its own network slot and runtime sandbox: pausing checkpoints the
-        runtime (full) or stops it (filesystem), and releases the slot, so a
-        paused sandbox holds no CPU, no memory and no network namespace.
-        Resuming restores the image (or boots fresh on the same root) into a
-        new slot.
+        Each running period has its own writable upper over the sandbox's
+        layer stack, network slot and runtime sandbox. Pausing checkpoints the
+        runtime (full) or stops it (filesystem), freezes the upper into an
+        immutable layer on top of the stack, and releases everything else, so
+        a paused sandbox holds no CPU, memory, mount or network namespace.
+        Resuming mounts a fresh upper over the new stack and restores the
+        image (or boots fresh) into a new slot. A fork child starts this way
+        from its parent's image and stack.
         """
         node = self.node
         started = self.was_started = False
         try:
-            async with AsyncExitStack() as life:
-                self._log("creating", template=self.template.template_id)
-                root = await life.enter_async_context(
-                    open_writable_root([self.template.rootfs], self.workdir / "disk")
-                )
-                image: Path | None = None
-                while True:
-                    stopping = await self._run_period(root, image, task_status, first=not started)
-                    started = self.was_started = True
-                    if stopping:
-                        break
-                    image = self._image_dir if self.pause_mode == "full" else None
-                    if not await self._serve_paused():
-                        break
-                self._log(
-                    f"stopping: {self.lifecycle.reason.value if self.lifecycle.reason else 'unknown'}"
-                )
+            self._log("creating", template=self.template.template_id)
+            image = self._resume_image
+            while True:
+                stopping = await self._run_period(image, task_status, first=not started)
+                started = self.was_started = True
+                if stopping:
+                    break
+                image = self._resume_image
+                if not await self._serve_paused():
+                    break
+            self._log(
+                f"stopping: {self.lifecycle.reason.value if self.lifecycle.reason else 'unknown'}"
+            )
         except Exception as exc:
             if not started:
                 if self.lifecycle.can(lc.Crashed("")):
@@ -234,6 +253,8 @@ class SandboxActor:
                 self.lifecycle.step(lc.Stopped())
             self.mailbox.close()
             node._forget(self)
+            with trio.CancelScope(shield=True):
+                await node.collect_layers()
             self.stopped.set()
             for req in self._killers:
                 req.reply(None)
@@ -242,7 +263,6 @@ class SandboxActor:
 
     async def _run_period(
         self,
-        root: Path,
         image: Path | None,
         task_status: trio.TaskStatus[SandboxActor],
         *,
@@ -250,8 +270,13 @@ class SandboxActor:
     ) -> bool:
         """Run until stopped (returns True) or paused (returns False)."""
         node = self.node
+        self._period += 1
+        disk = self.workdir / f"disk{self._period}"
         async with AsyncExitStack() as period:
             try:
+                root = await period.enter_async_context(
+                    open_writable_root(self.stack.lowers(), disk)
+                )
                 slot = await period.enter_async_context(node.network.open_slot(self.policy))
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
@@ -281,8 +306,10 @@ class SandboxActor:
                     if image is None
                     else node.runtime.open_restored(spec, image)
                 )
-                self._running = await period.enter_async_context(opener)
+                self._runtime_stack = await period.enter_async_context(AsyncExitStack())
+                self._running = await self._runtime_stack.enter_async_context(opener)
                 await self._init_envd(resumed=image is not None)
+                self._prior_token = None
             except Exception as exc:
                 if first:
                     raise
@@ -300,6 +327,10 @@ class SandboxActor:
                 task_status.started(self)
             else:
                 self.lifecycle.step(lc.Resumed(trio.current_time()))
+                if self._keep_deadline is not None:
+                    now = trio.current_time()
+                    self.lifecycle.step(lc.SetTimeout(now, max(0.0, self._keep_deadline - now)))
+                    self._keep_deadline = None
                 self._log("resumed")
                 for req in self._resumers:
                     req.reply(True)
@@ -309,7 +340,7 @@ class SandboxActor:
                     await self._serve()
                     if self.lifecycle.state is not lc.State.PAUSING:
                         return True
-                    if await self._pause():
+                    if await self._pause(disk):
                         return False
             except Exception as exc:  # supervision: contain this sandbox's failure
                 log.exception("sandbox %s failed", self.sandbox_id)
@@ -323,39 +354,69 @@ class SandboxActor:
                 self.sandbox_ip = None
                 self.http = None
 
-    @property
-    def _image_dir(self) -> Path:
-        return self.workdir / "checkpoint"
+    async def _pause(self, disk: Path) -> bool:
+        """Capture the sandbox (memory unless filesystem mode) and freeze its upper.
 
-    async def _pause(self) -> bool:
-        """Checkpoint (full) or stop (filesystem) the runtime; False keeps it running."""
+        Returns False (still running) if the runtime could not be checkpointed.
+        """
         assert self._running is not None
         now = trio.current_time()
+        image: Path | None = None
         try:
             if self.http is not None:
                 await self.http.aclose()  # no idle connection may be checkpointed
                 await trio.sleep(_CLOSE_GRACE_S)  # let envd see the FINs
             if self.pause_mode == "full":
-                tmp = self.workdir / "checkpoint.tmp"
+                self._captures += 1
+                image = self.workdir / f"image{self._captures}"
+                tmp = image.with_suffix(".tmp")
                 await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
                 tmp.mkdir(parents=True)
                 await self._running.checkpoint(tmp, leave_running=False)
-                await trio.to_thread.run_sync(shutil.rmtree, self._image_dir, True)
-                tmp.rename(self._image_dir)
+                tmp.rename(image)
         except Exception as exc:
             self.lifecycle.step(lc.PauseFailed(now, repr(exc)))
             self._log(f"pause failed, still running: {exc!r}", level="error")
             for req in self._pausers:
                 req.fail(PauseError(f"pause failed: {exc}"))
             self._pausers.clear()
+            if self._fork is not None:
+                _, fork_req, self.pause_mode = self._fork
+                self._fork = None
+                fork_req.fail(PauseError(f"fork failed capturing the sandbox: {exc}"))
             return False
+        # stop (or clean up after) the runtime, then freeze what it wrote
+        assert self._runtime_stack is not None
+        await self._runtime_stack.aclose()
+        upper = await unmount_root(disk)
+        layer = await self.node.layers.freeze(upper, below=self.stack)
+        self.stack = await self.node.layers.limit_depth(self.node.layers.chain(layer))
+        old, self._resume_image = self._resume_image, image
+        if old is not None and old != image and not self._image_shared(old):
+            await trio.to_thread.run_sync(shutil.rmtree, old, True)
         self.lifecycle.step(lc.Paused(trio.current_time()))
         self.paused_at = time.time()
-        self._log(f"paused ({self.pause_mode})")
+        if self._fork is not None:
+            fork, fork_req, self.pause_mode = self._fork
+            self._fork = None
+            assert image is not None
+            self._shared_images.add(image)
+            # the source resumes at once (keeping its ID and TTL); the children
+            # restore the same image over the same layers, each on its own
+            # the source's expiry stays where it was: the capture is not paused time
+            self._keep_deadline = now + (self.lifecycle.remaining or 0.0)
+            self.lifecycle.step(lc.Resume(trio.current_time(), None))
+            self._log(f"captured for a fork of {fork.count}")
+            self.node.spawn_forks(self, image, fork, fork_req)
+            return True
+        self._log(f"paused ({self.pause_mode}), {self.stack.depth} layers")
         for req in self._pausers:
             req.reply(None)
         self._pausers.clear()
         return True
+
+    def _image_shared(self, image: Path) -> bool:
+        return image in self._shared_images
 
     async def _serve_paused(self) -> bool:
         """Wait, paused, for resume (True) or kill (False). No TTL runs while paused."""
@@ -363,6 +424,30 @@ class SandboxActor:
             req = await self.mailbox.receive()
             await self._handle(req)
         return self.lifecycle.state is lc.State.RESUMING
+
+    @classmethod
+    def fork_of(
+        cls, parent: SandboxActor, sandbox_id: str, image: Path, timeout_s: int
+    ) -> SandboxActor:
+        """A child that starts from `parent`'s captured image and layers."""
+        req = NewSandbox(
+            template=parent.template.template_id,
+            timeout_s=timeout_s,
+            metadata=dict(parent.metadata),
+            env_vars=dict(parent.env_vars),
+            policy=parent.policy,
+            allow_internet_access=parent.allow_internet_access,
+            allow_public_traffic=parent.allow_public_traffic,
+            auto_pause=parent.auto_pause,
+            auto_pause_memory=parent.pause_mode == "full",
+            cpu_count=parent.cpu_count,
+            memory_mb=parent.memory_mb,
+        )
+        child = cls(parent.node, sandbox_id, parent.template, req)
+        child.stack = parent.stack
+        child._resume_image = image
+        child._prior_token = parent.envd_access_token
+        return child
 
     async def _init_envd(self, *, resumed: bool = False) -> None:
         assert self.sandbox_ip is not None
@@ -389,7 +474,8 @@ class SandboxActor:
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         # after a resume envd already holds the token and wants it to re-init
-        headers = {**_CLOSE, **({"X-Access-Token": self.envd_access_token} if resumed else {})}
+        current = self._prior_token or self.envd_access_token
+        headers = {**_CLOSE, **({"X-Access-Token": current} if resumed else {})}
         r = await client.post(f"{base}/init", json=body, headers=headers, timeout=10.0)
         if r.status_code >= 300:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}: {r.text[:200]}")
@@ -456,6 +542,13 @@ class SandboxActor:
                     self.pause_mode = mode
                     self.lifecycle.step(lc.Pause(trio.current_time()))
                     self._pausers.append(req)  # answered once the pause is done
+                case Fork():
+                    if self.lifecycle.state is not lc.State.RUNNING:
+                        raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
+                    # captured once like a full pause, then resumed at once
+                    self._fork = (msg, req, self.pause_mode)
+                    self.pause_mode = "full"
+                    self.lifecycle.step(lc.Pause(trio.current_time()))
                 case Resume(timeout_s):
                     if self.lifecycle.state is lc.State.RUNNING:
                         req.reply(False)

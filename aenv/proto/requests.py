@@ -212,3 +212,13 @@ def parse_pause(body: object) -> str:
         return "full"
     b = _obj(body, "request body")
     return "filesystem" if _bool(b, "memory") is False else "full"
+
+
+MAX_FORKS = 20
+
+
+def parse_fork(body: object, limits: Limits) -> tuple[int, int]:
+    """POST /sandboxes/{id}/fork: (count 1..20, timeout of the children)."""
+    b = {} if body is None else _obj(body, "request body")
+    count = _bounded_int(b, "count", 1, MAX_FORKS)
+    return (1 if count is None else count), parse_timeout(b.get("timeout"), limits)

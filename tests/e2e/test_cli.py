@@ -149,9 +149,20 @@ def test_pause_and_resume(env: dict[str, str], sid: str) -> None:
     assert ok(env, "exec", sid, "--", "echo", "back") == "back\n"
 
 
+def test_fork(env: dict[str, str], sid: str) -> None:
+    out = ok(env, "fork", sid, "--count", "2")
+    children = [x for x in listed(env) if x in out and x != sid]
+    try:
+        assert len(children) == 2, out
+        for c in children:
+            assert ok(env, "exec", c, "--", "echo", "child") == "child\n"
+    finally:
+        for c in children:
+            aenv(env, "rm", c)
+
+
 def test_operations_the_node_lacks_fail_clearly(env: dict[str, str], sid: str) -> None:
     for args in (
-        ["fork", sid, "--count", "2"],
         ["snapshot", "create", sid, "--name", "s1"],
         ["snapshot", "list"],
         ["snapshot", "delete", "s1"],

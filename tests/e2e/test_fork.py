@@ -1,0 +1,84 @@
+"""Fork with the real e2b SDK: one capture, independent children, source unchanged.
+
+Rules: loopback only; the session `node`; each test kills the source and every
+child it made. Children must keep the source's running processes (a counter
+loop) and files, and a write in one is invisible to the others and the source.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from tests.conftest import NodeProc, requires_node
+
+pytestmark = [requires_node, pytest.mark.runsc]
+
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
+
+
+def _count(s: Sandbox) -> int:
+    return int(s.files.read("/tmp/counter").strip() or 0)
+
+
+def test_fork_three_independent_children(node: NodeProc) -> None:
+    src = Sandbox.create("base", timeout=300)
+    children: list[Sandbox] = []
+    try:
+        src.commands.run(COUNTER, background=True)
+        src.files.write("/home/user/shared.txt", "from the source")
+        time.sleep(1)
+        end_before = src.get_info().end_at
+        results = src.fork(count=3, timeout=120)
+        children = [r for r in results if isinstance(r, Sandbox)]
+        assert len(children) == 3, results
+        ids = {c.sandbox_id for c in children}
+        assert len(ids) == 3 and src.sandbox_id not in ids
+        # the source keeps its ID, its TTL and its processes
+        # (end_at is derived from the clock at each call: allow its jitter, not the capture)
+        assert abs((src.get_info().end_at - end_before).total_seconds()) < 0.5
+        first = _count(src)
+        time.sleep(0.5)
+        assert _count(src) > first
+        for i, c in enumerate(children):
+            # each child carries on the source's counter and sees its files
+            n = _count(c)
+            time.sleep(0.4)
+            assert _count(c) > n > 0
+            assert c.files.read("/home/user/shared.txt") == "from the source"
+            c.files.write("/home/user/mine.txt", f"child {i}")
+            assert c._envd_access_token != src._envd_access_token
+        for i, c in enumerate(children):
+            assert c.files.read("/home/user/mine.txt") == f"child {i}"
+        assert not src.files.exists("/home/user/mine.txt")
+        # each child has its own network: a server in one is not the other's
+        children[0].commands.run("cd /tmp && python3 -m http.server 8085", background=True)
+        headers = {"E2b-Sandbox-Id": children[0].sandbox_id, "E2b-Sandbox-Port": "8085"}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if httpx.get(node.url + "/", headers=headers, timeout=5).status_code == 200:
+                break
+            time.sleep(0.3)
+        other = {"E2b-Sandbox-Id": children[1].sandbox_id, "E2b-Sandbox-Port": "8085"}
+        assert httpx.get(node.url + "/", headers=other, timeout=5).status_code == 502
+    finally:
+        for c in children:
+            Sandbox.kill(c.sandbox_id)
+        src.kill()
+
+
+def test_fork_count_is_bounded(node: NodeProc) -> None:
+    src = Sandbox.create("busybox")
+    h = {"X-API-Key": node.api_key}
+    try:
+        for body in ({"count": 0}, {"count": 21}, {"count": "2"}):
+            r = httpx.post(f"{node.url}/sandboxes/{src.sandbox_id}/fork", json=body, headers=h)
+            assert r.status_code == 400, body
+        src.pause()
+        r = httpx.post(f"{node.url}/sandboxes/{src.sandbox_id}/fork", json={"count": 1}, headers=h)
+        assert r.status_code == 409
+    finally:
+        src.kill()
