@@ -43,7 +43,9 @@ from aenv.node.sandbox import (
     SandboxNotRunning,
     SetNetwork,
     SetTimeout,
+    Snapshot,
 )
+from aenv.node.snapshots import CorruptSnapshot
 from aenv.proto import requests as rq
 from aenv.proto.ids import InvalidName, is_sandbox_id
 from aenv.storage.templates import TemplateNotFound
@@ -201,7 +203,10 @@ def create_app(node: Node) -> QuartTrio:
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
         try:
-            a = await node.create(req)
+            snap = await node.snapshots.resolve(req.template)
+            a = await (node.create_from_snapshot(snap, req) if snap else node.create(req))
+        except CorruptSnapshot as e:
+            raise ApiError(500, f"snapshot {req.template!r} cannot be used: {e}") from None
         except TemplateNotFound:
             raise ApiError(404, f"template {req.template!r} not found") from None
         except InvalidName as e:
@@ -451,10 +456,70 @@ def create_app(node: Node) -> QuartTrio:
                 out.append({"error": {"code": status, "message": f"fork failed: {r}"}})
         return _json(out, 201)
 
-    for path, what in [
-        ("/sandboxes/<sandbox_id>/snapshots", "snapshots"),
-    ]:
-        app.add_url_rule(path, f"not_yet_{what}", not_yet(what), methods=["POST"])
+    @app.post("/sandboxes/<sandbox_id>/snapshots")
+    async def snapshot_create(sandbox_id: str) -> Response:
+        try:
+            name, memory = rq.parse_snapshot(await _body())
+        except rq.BadRequest as e:
+            raise ApiError(400, str(e)) from None
+        a = sandbox(sandbox_id)
+        try:
+            doc = await a.mailbox.ask(Snapshot(name, memory), timeout=600)
+        except ActorGone:
+            raise ApiError(404, f"sandbox {sandbox_id!r} not found") from None
+        except SandboxNotRunning as e:
+            raise ApiError(409, str(e)) from None
+        except PauseError as e:
+            raise ApiError(500, str(e)) from None
+        return _json(_snapshot_info(doc), 201)
+
+    def _snapshot_info(doc: dict[str, Any]) -> dict[str, Any]:
+        return {"snapshotID": doc["snapshotID"], "names": list(doc.get("names") or [])}
+
+    @app.get("/snapshots")
+    async def snapshot_list() -> Response:
+        docs = await node.snapshots.list()
+        sid, name = request.args.get("sandboxID"), request.args.get("name")
+        if sid:
+            docs = [d for d in docs if d.get("sourceSandboxID") == sid]
+        if name:
+            docs = [d for d in docs if name in (d.get("names") or [])]
+        try:
+            limit = int(request.args.get("limit", V2_PAGE_DEFAULT))
+            start = int(request.args.get("nextToken") or 0)
+        except ValueError:
+            raise ApiError(400, "limit and nextToken must be integers") from None
+        if not 1 <= limit <= V2_PAGE_MAX or start < 0:
+            raise ApiError(400, f"limit must be between 1 and {V2_PAGE_MAX}")
+        resp = _json([_snapshot_info(d) for d in docs[start : start + limit]])
+        if start + limit < len(docs):
+            resp.headers["x-next-token"] = str(start + limit)
+        return resp
+
+    @app.delete("/snapshots/<snapshot_id>")
+    async def snapshot_delete(snapshot_id: str) -> Response:
+        doc = await node.snapshots.resolve(snapshot_id)
+        if doc is None:
+            raise ApiError(404, f"snapshot {snapshot_id!r} not found")
+        await node.snapshots.delete(doc["snapshotID"])
+        await node.collect_layers()
+        return _no_content()
+
+    @app.get("/snapshots/<snapshot_id>")
+    async def snapshot_detail(snapshot_id: str) -> Response:
+        doc = await node.snapshots.resolve(snapshot_id)
+        if doc is None:
+            raise ApiError(404, f"snapshot {snapshot_id!r} not found")
+        info = _snapshot_info(doc)
+        info.update(
+            {
+                "sourceSandboxID": doc.get("sourceSandboxID"),
+                "templateID": doc.get("templateID"),
+                "createdAt": views.iso(float(doc["createdAt"])),
+                "mode": "full" if doc.get("memory") else "filesystem",
+            }
+        )
+        return _json(info)
 
     # -- templates ------------------------------------------------------------
 
@@ -485,7 +550,15 @@ def create_app(node: Node) -> QuartTrio:
 
     @app.delete("/templates/<template_id>")
     async def template_delete(template_id: str) -> Response:
+        # snapshots share the template namespace (the SDK deletes them here)
+        snap = await node.snapshots.resolve(template_id)
+        if snap is not None and snap["snapshotID"] == template_id:
+            await node.snapshots.delete(template_id)
+            await node.collect_layers()
+            return _no_content()
         t = template(template_id)
+        if any(d.get("templateID") == t.template_id for d in await node.snapshots.list()):
+            raise ApiError(409, f"template {template_id!r} is the base of stored snapshots")
         if any(a.template.template_id == t.template_id for a in node.list()):
             raise ApiError(409, f"template {template_id!r} is in use by running sandboxes")
         await trio.to_thread.run_sync(node.templates.delete, t.template_id)

@@ -25,13 +25,15 @@ import trio
 from aenv.config import Config
 from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
-from aenv.node.sandbox import Fork, SandboxActor
+from aenv.node.sandbox import Fork, SandboxActor, Snapshot
+from aenv.node.snapshots import Snapshots
 from aenv.proto import ids
 from aenv.proto.requests import Limits, NewSandbox
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
 from aenv.runtimes.netns import HostNetwork, open_host_network
-from aenv.storage.layers import LayerStore
+from aenv.storage.layers import LayerStack, LayerStore
+from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import reap_stale_mounts
 from aenv.storage.templates import TemplateStore
 
@@ -86,6 +88,8 @@ class Node:
         self.network = network
         self.templates = templates
         self.layers = LayerStore(config.home / "layers")
+        self.meta = Metadata(MetadataStore(config.home / "aenv.db"))
+        self.snapshots = Snapshots(config.home / "snapshots", self.meta)
         self.http = http
         self.api_key = api_key
         self.limits = Limits(
@@ -144,6 +148,7 @@ class Node:
         """Remove frozen layers no sandbox uses (young ones stay: one may be mid-freeze)."""
         live = {lid for a in self._sandboxes.values() for lid in a.stack.ids()}
         try:
+            live |= await self.snapshots.layer_ids()
             removed = await self.layers.gc(live, min_age_s=LAYER_GC_MIN_AGE_S)
         except Exception:
             log.exception("layer garbage collection failed")
@@ -214,7 +219,70 @@ class Node:
         async with trio.open_nursery() as n:
             for i in range(fork.count):
                 n.start_soon(one, i)
+        await self._source_back(parent.sandbox_id)
         req.reply(results)
+
+    async def _source_back(self, sandbox_id: str) -> None:
+        """Answer a fork or snapshot only once its source runs again."""
+        actor = self._sandboxes.get(sandbox_id)
+        if actor is not None:
+            with trio.move_on_after(120):
+                await actor.running_again.wait()
+
+    def spawn_snapshot(
+        self, source: SandboxActor, image: Path, msg: Snapshot, req: Request[Any]
+    ) -> None:
+        """Record `source`'s fresh capture as a snapshot in the background; `req` gets it."""
+        doc: dict[str, Any] = {
+            "name": msg.name,
+            "names": [msg.name] if msg.name else [],
+            "sourceSandboxID": source.sandbox_id,
+            "templateID": source.template.template_id,
+            "layers": list(source.stack.ids()),
+            "memory": msg.memory,
+            "cpuCount": source.cpu_count,
+            "memoryMB": source.memory_mb,
+            "envdToken": source.envd_access_token,
+        }
+        self._nursery.start_soon(self._snapshot, doc, image if msg.memory else None, req)
+
+    async def _snapshot(self, doc: dict[str, Any], image: Path | None, req: Request[Any]) -> None:
+        try:
+            recorded = await self.snapshots.record(doc=doc, image=image)
+            await self._source_back(doc["sourceSandboxID"])
+            req.reply(recorded)
+        except Exception as exc:
+            log.exception("recording a snapshot failed")
+            req.fail(exc)
+
+    async def create_from_snapshot(self, doc: dict[str, Any], req: NewSandbox) -> SandboxActor:
+        template = self.templates.resolve(doc["templateID"])
+        image = await self.snapshots.verified_image(doc)
+        layers = doc.get("layers") or []
+        stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
+        if len(self._sandboxes) >= self.config.max_sandboxes:
+            raise Busy("node (sandbox limit reached)", retry_after=5.0)
+        sandbox_id = ids.new_sandbox_id(self.config.node_tag)
+        actor = SandboxActor.from_snapshot(
+            self,
+            sandbox_id,
+            template,
+            req,
+            stack=stack,
+            image=image,
+            prior_token=str(doc.get("envdToken") or ""),
+            cpu_count=int(doc.get("cpuCount") or template.cpu_count),
+            memory_mb=int(doc.get("memoryMB") or template.memory_mb),
+        )
+        self._sandboxes[sandbox_id] = actor
+        try:
+            await self._nursery.start(self._supervise, actor)
+        except BaseException:
+            self._sandboxes.pop(sandbox_id, None)
+            self.m_create_failed.inc()
+            raise
+        self.m_created.inc()
+        return actor
 
     async def kill(self, sandbox_id: str) -> None:
         from aenv.node.sandbox import Kill
@@ -260,8 +328,8 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             nursery=nursery,
             api_key=api_key,
         )
-        # nothing survives a restart yet: every layer of an earlier process is garbage
-        await node.layers.gc(set())
+        # only snapshots survive a restart yet: every other layer is garbage
+        await node.layers.gc(await node.snapshots.layer_ids())
         try:
             yield node
         finally:

@@ -117,7 +117,15 @@ class Fork:
     timeout_s: int
 
 
-Msg = SetTimeout | ExtendTimeout | Kill | SetNetwork | GetUsage | Pause | Resume | Fork
+@dataclass(frozen=True)
+class Snapshot:
+    """Answers the snapshot's record (a dict) once it is stored."""
+
+    name: str | None
+    memory: bool = True
+
+
+Msg = SetTimeout | ExtendTimeout | Kill | SetNetwork | GetUsage | Pause | Resume | Fork | Snapshot
 
 
 @dataclass(frozen=True)
@@ -169,8 +177,11 @@ class SandboxActor:
         self._prior_token: str | None = None
         self._period = 0
         self._captures = 0
-        self._fork: tuple[Fork, Request[Msg], str] | None = None
+        # a capture that resumes the source at once (fork, snapshot)
+        self._fork: tuple[Fork | Snapshot, Request[Msg], str] | None = None
         self._keep_deadline: float | None = None
+        # set when the source of a fork/snapshot runs again (or gives up)
+        self.running_again = trio.Event()
         self._slot: NetSlot | None = None
         self._serve_scope: trio.CancelScope | None = None
         self._killers: list[Request[Msg]] = []
@@ -252,6 +263,7 @@ class SandboxActor:
             if self.lifecycle.can(lc.Stopped()):
                 self.lifecycle.step(lc.Stopped())
             self.mailbox.close()
+            self.running_again.set()
             node._forget(self)
             with trio.CancelScope(shield=True):
                 await node.collect_layers()
@@ -316,6 +328,7 @@ class SandboxActor:
                 # a failed resume leaves the sandbox paused, its image intact
                 self.lifecycle.step(lc.ResumeFailed(repr(exc)))
                 self._log(f"resume failed: {exc!r}", level="error")
+                self.running_again.set()
                 for req in self._resumers:
                     req.fail(ResumeError(f"resume failed: {exc}"))
                 self._resumers.clear()
@@ -332,6 +345,7 @@ class SandboxActor:
                     self.lifecycle.step(lc.SetTimeout(now, max(0.0, self._keep_deadline - now)))
                     self._keep_deadline = None
                 self._log("resumed")
+                self.running_again.set()
                 for req in self._resumers:
                     req.reply(True)
                 self._resumers.clear()
@@ -383,7 +397,7 @@ class SandboxActor:
             if self._fork is not None:
                 _, fork_req, self.pause_mode = self._fork
                 self._fork = None
-                fork_req.fail(PauseError(f"fork failed capturing the sandbox: {exc}"))
+                fork_req.fail(PauseError(f"capturing the sandbox failed: {exc}"))
             return False
         # stop (or clean up after) the runtime, then freeze what it wrote
         assert self._runtime_stack is not None
@@ -405,9 +419,14 @@ class SandboxActor:
             # restore the same image over the same layers, each on its own
             # the source's expiry stays where it was: the capture is not paused time
             self._keep_deadline = now + (self.lifecycle.remaining or 0.0)
+            self.running_again = trio.Event()
             self.lifecycle.step(lc.Resume(trio.current_time(), None))
-            self._log(f"captured for a fork of {fork.count}")
-            self.node.spawn_forks(self, image, fork, fork_req)
+            if isinstance(fork, Fork):
+                self._log(f"captured for a fork of {fork.count}")
+                self.node.spawn_forks(self, image, fork, fork_req)
+            else:
+                self._log("captured for a snapshot")
+                self.node.spawn_snapshot(self, image, fork, fork_req)
             return True
         self._log(f"paused ({self.pause_mode}), {self.stack.depth} layers")
         for req in self._pausers:
@@ -424,6 +443,29 @@ class SandboxActor:
             req = await self.mailbox.receive()
             await self._handle(req)
         return self.lifecycle.state is lc.State.RESUMING
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        node: Node,
+        sandbox_id: str,
+        template: Template,
+        req: NewSandbox,
+        *,
+        stack: LayerStack,
+        image: Path | None,
+        prior_token: str,
+        cpu_count: int,
+        memory_mb: int,
+    ) -> SandboxActor:
+        """A sandbox that starts from a stored snapshot (its image, or a fresh boot)."""
+        actor = cls(node, sandbox_id, template, req)
+        actor.stack = stack
+        actor._resume_image = image
+        actor._prior_token = prior_token if image is not None else None
+        actor.cpu_count = req.cpu_count or cpu_count
+        actor.memory_mb = req.memory_mb or memory_mb
+        return actor
 
     @classmethod
     def fork_of(
@@ -542,7 +584,7 @@ class SandboxActor:
                     self.pause_mode = mode
                     self.lifecycle.step(lc.Pause(trio.current_time()))
                     self._pausers.append(req)  # answered once the pause is done
-                case Fork():
+                case Fork() | Snapshot():
                     if self.lifecycle.state is not lc.State.RUNNING:
                         raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
                     # captured once like a full pause, then resumed at once

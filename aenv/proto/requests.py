@@ -222,3 +222,17 @@ def parse_fork(body: object, limits: Limits) -> tuple[int, int]:
     b = {} if body is None else _obj(body, "request body")
     count = _bounded_int(b, "count", 1, MAX_FORKS)
     return (1 if count is None else count), parse_timeout(b.get("timeout"), limits)
+
+
+def parse_snapshot(body: object) -> tuple[str | None, bool]:
+    """POST /sandboxes/{id}/snapshots: (name or None, with memory)."""
+    b = {} if body is None else _obj(body, "request body")
+    name = b.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise BadRequest("name must be a string")
+        try:
+            check_name(name, "snapshot name")
+        except InvalidName as e:
+            raise BadRequest(str(e)) from None
+    return name, _bool(b, "memory") is not False

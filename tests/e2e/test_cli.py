@@ -161,13 +161,23 @@ def test_fork(env: dict[str, str], sid: str) -> None:
             aenv(env, "rm", c)
 
 
+def test_snapshots(env: dict[str, str], sid: str) -> None:
+    created = json.loads(ok(env, "snapshot", "create", sid, "--name", "cli-snap"))
+    snap = created["snapshotID"]
+    assert created["names"] == ["cli-snap"]
+    assert snap in ok(env, "snapshot", "list", "--output", "json")
+    started = ok(env, "start", "cli-snap", "-d").strip()
+    try:
+        assert ok(env, "exec", started, "--", "echo", "from-snapshot") == "from-snapshot\n"
+    finally:
+        ok(env, "rm", started)
+    ok(env, "snapshot", "delete", snap)
+    assert snap not in ok(env, "snapshot", "list", "--output", "json")
+    one_line_error(aenv(env, "snapshot", "delete", snap), 66)
+
+
 def test_operations_the_node_lacks_fail_clearly(env: dict[str, str], sid: str) -> None:
-    for args in (
-        ["snapshot", "create", sid, "--name", "s1"],
-        ["snapshot", "list"],
-        ["snapshot", "delete", "s1"],
-        ["pull", "docker.io/library/alpine:3", "--name", "alpine"],
-    ):
+    for args in (["pull", "docker.io/library/alpine:3", "--name", "alpine"],):
         line = one_line_error(aenv(env, *args), 1)
         assert "not supported" in line or "does not support" in line, (args, line)
     assert sid in listed(env)

@@ -1,0 +1,106 @@
+"""Persistent snapshots with the real e2b SDK: create, list, create-from, delete, corruption.
+
+Rules: loopback only; the session `node`; each test kills its sandboxes and
+deletes its snapshots. Snapshot images live in the node's private home,
+which the corruption test edits on purpose.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox
+from e2b.exceptions import SandboxException
+
+from tests.conftest import NodeProc, requires_node
+
+pytestmark = [requires_node, pytest.mark.runsc]
+
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
+
+
+def _count(s: Sandbox) -> int:
+    return int(s.files.read("/tmp/counter").strip() or 0)
+
+
+def _counts_on(s: Sandbox, limit: float = 10.0) -> int:
+    """The counter's value once it has moved on (it must, within `limit` s)."""
+    first = _count(s)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = _count(s)
+        if now > first:
+            return first
+    raise AssertionError(f"the counter is stuck at {first}")
+
+
+def test_snapshot_then_create_from_it_by_id_and_name(node: NodeProc) -> None:
+    src = Sandbox.create("base")
+    made: list[Sandbox] = []
+    try:
+        src.commands.run(COUNTER, background=True)
+        src.files.write("/home/user/snap.txt", "in the snapshot")
+        time.sleep(1)
+        info = src.create_snapshot(name="snap-test-a")
+        assert info.snapshot_id and info.names == ["snap-test-a"]
+        # the source carries on
+        _counts_on(src)
+        src.files.write("/home/user/after.txt", "not in the snapshot")
+        src.kill()  # snapshots outlive their sandbox
+        for ref in (info.snapshot_id, "snap-test-a"):
+            s = Sandbox.create(ref)
+            made.append(s)
+            assert s.files.read("/home/user/snap.txt") == "in the snapshot"
+            assert not s.files.exists("/home/user/after.txt")
+            assert _counts_on(s) > 0  # the counter process came along
+        listed = Sandbox.list_snapshots().next_items()
+        assert info.snapshot_id in [x.snapshot_id for x in listed]
+        # a reused name is a new build; the name resolves to the newest
+        again = made[0].create_snapshot(name="snap-test-a")
+        assert again.snapshot_id != info.snapshot_id
+        assert Sandbox.delete_snapshot(again.snapshot_id)
+        assert Sandbox.delete_snapshot(info.snapshot_id)
+        assert not Sandbox.delete_snapshot(info.snapshot_id)
+        with pytest.raises(SandboxException):
+            Sandbox.create(info.snapshot_id)
+    finally:
+        for s in made:
+            Sandbox.kill(s.sandbox_id)
+        Sandbox.kill(src.sandbox_id)
+
+
+def test_filesystem_snapshot_boots_fresh(node: NodeProc) -> None:
+    src = Sandbox.create("base")
+    try:
+        src.commands.run("sleep 1000", background=True)
+        src.files.write("/home/user/fs.txt", "files only")
+        info = src.create_snapshot(mode="filesystem")
+        s = Sandbox.create(info.snapshot_id)
+        try:
+            assert s.files.read("/home/user/fs.txt") == "files only"
+            assert "sleep 1000" not in s.commands.run("ps -eo args").stdout
+        finally:
+            s.kill()
+        assert Sandbox.delete_snapshot(info.snapshot_id)
+    finally:
+        src.kill()
+
+
+def test_corrupt_snapshot_is_refused(node: NodeProc) -> None:
+    src = Sandbox.create("busybox")
+    try:
+        info = src.create_snapshot()
+    finally:
+        src.kill()
+    image = Path(node.home) / "snapshots" / info.snapshot_id / "image"
+    victim = next(p for p in image.iterdir() if p.is_file())
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.unlink()  # the file is hard-linked: write a new one, never the shared inode
+    victim.write_bytes(bytes(data))
+    with pytest.raises(SandboxException, match="checksum"):
+        Sandbox.create(info.snapshot_id)
+    assert Sandbox.delete_snapshot(info.snapshot_id)
