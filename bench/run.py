@@ -70,6 +70,10 @@ OPS = (
     ("command_roundtrip", 'commands.run("true")'),
     ("file_write_1mib", "files.write 1 MiB"),
     ("file_read_1mib", "files.read 1 MiB"),
+    ("pause", "pause (full, memory)"),
+    ("resume", "resume -> first command"),
+    ("fork_1", "fork(count=1)"),
+    ("snapshot", "create_snapshot"),
 )
 
 
@@ -199,7 +203,15 @@ def _bench_sdk(node: NodeProc, template: str, n: int, results: dict[str, Series]
         series.samples_ms.append(elapsed * 1000)
         results["create_only"].samples_ms.append(created * 1000)
 
-    rest = ("command_roundtrip", "file_write_1mib", "file_read_1mib")
+    rest = (
+        "command_roundtrip",
+        "file_write_1mib",
+        "file_read_1mib",
+        "pause",
+        "resume",
+        "fork_1",
+        "snapshot",
+    )
     try:
         sbx = Sandbox.create(template, timeout=600)
     except Exception as e:
@@ -220,11 +232,42 @@ def _bench_sdk(node: NodeProc, template: str, n: int, results: dict[str, Series]
         timed(results["file_write_1mib"], n, lambda: sbx.files.write(GUEST_FILE, data), _ignore)
         read = lambda: sbx.files.read(GUEST_FILE, format="bytes")  # noqa: E731
         timed(results["file_read_1mib"], n, read, same)
+        _bench_snapshots(sbx, n, results)
     except Exception as e:
         _fail(results, rest, e)
     finally:
         with contextlib.suppress(Exception):
             sbx.kill()
+
+
+def _bench_snapshots(sbx: Any, n: int, results: dict[str, Series]) -> None:
+    """Pause/resume, fork and snapshot of a sandbox running a counter loop."""
+    from e2b import Sandbox
+
+    sbx.commands.run(
+        "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done", background=True
+    )
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sbx.pause()
+        results["pause"].samples_ms.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        back = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        back.commands.run("true")
+        results["resume"].samples_ms.append((time.perf_counter() - t0) * 1000)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        children = sbx.fork(count=1, timeout=120)
+        results["fork_1"].samples_ms.append((time.perf_counter() - t0) * 1000)
+        for c in children:
+            if isinstance(c, Exception):
+                raise c
+            c.kill()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        info = sbx.create_snapshot()
+        results["snapshot"].samples_ms.append((time.perf_counter() - t0) * 1000)
+        Sandbox.delete_snapshot(info.snapshot_id)
 
 
 def _describe(e: BaseException) -> str:
