@@ -134,13 +134,16 @@ def create_app(node: Node) -> QuartTrio:
             raise ApiError(404, f"sandbox {sandbox_id!r} not found")
         return a
 
-    async def ask(a: SandboxActor, msg: Any) -> Any:
+    async def ask(a: SandboxActor, msg: Any, wait_s: float = 60) -> Any:
+        """Ask a sandbox's actor; its refusals become E2B error answers."""
         try:
-            return await a.mailbox.ask(msg, timeout=60)
+            return await a.mailbox.ask(msg, timeout=wait_s)
         except ActorGone:
             raise ApiError(404, f"sandbox {a.sandbox_id!r} not found") from None
         except SandboxNotRunning as e:
             raise ApiError(409, str(e)) from None
+        except (PauseError, ResumeError) as e:
+            raise ApiError(500, str(e)) from None
 
     @app.before_request
     async def _auth() -> Response | None:
@@ -382,14 +385,7 @@ def create_app(node: Node) -> QuartTrio:
         return _json(views.sandbox_created(a, domain), 201 if resumed else 200)
 
     async def _resume(a: SandboxActor, ttl_s: int) -> bool:
-        try:
-            return bool(await a.mailbox.ask(Resume(ttl_s), timeout=120))
-        except ActorGone:
-            raise ApiError(404, f"sandbox {a.sandbox_id!r} not found") from None
-        except SandboxNotRunning as e:
-            raise ApiError(409, str(e)) from None
-        except ResumeError as e:
-            raise ApiError(500, str(e)) from None
+        return bool(await ask(a, Resume(ttl_s), 120))
 
     app.add_url_rule("/sandboxes/<sandbox_id>/connect", "connect_v1", connect, methods=["POST"])
     app.add_url_rule("/v2/sandboxes/<sandbox_id>/connect", "connect_v2", connect, methods=["POST"])
@@ -412,14 +408,7 @@ def create_app(node: Node) -> QuartTrio:
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
         a = sandbox(sandbox_id)
-        try:
-            await a.mailbox.ask(Pause(mode), timeout=120)
-        except ActorGone:
-            raise ApiError(404, f"sandbox {sandbox_id!r} not found") from None
-        except SandboxNotRunning as e:
-            raise ApiError(409, str(e)) from None
-        except PauseError as e:
-            raise ApiError(500, str(e)) from None
+        await ask(a, Pause(mode), 120)
         return _no_content()
 
     def not_yet(what: str) -> Callable[..., Awaitable[Response]]:
@@ -439,14 +428,7 @@ def create_app(node: Node) -> QuartTrio:
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
         a = sandbox(sandbox_id)
-        try:
-            results = await a.mailbox.ask(Fork(count, ttl), timeout=600)
-        except ActorGone:
-            raise ApiError(404, f"sandbox {sandbox_id!r} not found") from None
-        except SandboxNotRunning as e:
-            raise ApiError(409, str(e)) from None
-        except PauseError as e:
-            raise ApiError(500, str(e)) from None
+        results = await ask(a, Fork(count, ttl), 600)
         out: list[dict[str, Any]] = []
         for r in results:
             if isinstance(r, SandboxActor):
@@ -463,14 +445,7 @@ def create_app(node: Node) -> QuartTrio:
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
         a = sandbox(sandbox_id)
-        try:
-            doc = await a.mailbox.ask(Snapshot(name, memory), timeout=600)
-        except ActorGone:
-            raise ApiError(404, f"sandbox {sandbox_id!r} not found") from None
-        except SandboxNotRunning as e:
-            raise ApiError(409, str(e)) from None
-        except PauseError as e:
-            raise ApiError(500, str(e)) from None
+        doc = await ask(a, Snapshot(name, memory), 600)
         return _json(_snapshot_info(doc), 201)
 
     def _snapshot_info(doc: dict[str, Any]) -> dict[str, Any]:

@@ -14,26 +14,9 @@ import pytest
 from e2b import Sandbox
 
 from tests.conftest import NodeProc, requires_node
+from tests.e2e.counter import COUNTER, counts_on
 
 pytestmark = [requires_node, pytest.mark.runsc]
-
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
-
-
-def _count(s: Sandbox) -> int:
-    return int(s.files.read("/tmp/counter").strip() or 0)
-
-
-def _counts_on(s: Sandbox, limit: float = 10.0) -> int:
-    """The counter's value once it has moved on (it must, within `limit` s)."""
-    first = _count(s)
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = _count(s)
-        if now > first:
-            return first
-    raise AssertionError(f"the counter is stuck at {first}")
 
 
 def test_fork_three_independent_children(node: NodeProc) -> None:
@@ -52,10 +35,10 @@ def test_fork_three_independent_children(node: NodeProc) -> None:
         # the source keeps its ID, its TTL and its processes
         # (end_at is derived from the clock at each call: allow its jitter, not the capture)
         assert abs((src.get_info().end_at - end_before).total_seconds()) < 0.5
-        _counts_on(src)
+        counts_on(src)
         for i, c in enumerate(children):
             # each child carries on the source's counter and sees its files
-            assert _counts_on(c) > 0
+            assert counts_on(c) > 0
             assert c.files.read("/home/user/shared.txt") == "from the source"
             c.files.write("/home/user/mine.txt", f"child {i}")
             assert c._envd_access_token != src._envd_access_token

@@ -14,26 +14,9 @@ import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
 from tests.conftest import NodeProc, requires_node
+from tests.e2e.counter import COUNTER, counts_on
 
 pytestmark = [requires_node, pytest.mark.runsc]
-
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
-
-
-def _count(s: Sandbox) -> int:
-    return int(s.files.read("/tmp/counter").strip() or 0)
-
-
-def _counts_on(s: Sandbox, limit: float = 10.0) -> int:
-    """The counter's value once it has moved on (it must, within `limit` s)."""
-    first = _count(s)
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = _count(s)
-        if now > first:
-            return first
-    raise AssertionError(f"the counter is stuck at {first}")
 
 
 def _wait_state(sid: str, state: str, limit: float = 30) -> None:
@@ -58,7 +41,7 @@ def test_pause_resume_keeps_processes_and_files(node: NodeProc) -> None:
         time.sleep(2)
         r = Sandbox.connect(s.sandbox_id)
         # it carried on from its value: no restart from 0, and it counts again
-        assert _counts_on(r) >= 5
+        assert counts_on(r) >= 5
         assert r.files.read("/home/user/note.txt") == "written before the pause"
         assert r.commands.run("echo alive").stdout.strip() == "alive"
     finally:
@@ -89,7 +72,7 @@ def test_ttl_auto_pause_then_connect(node: NodeProc) -> None:
         time.sleep(1)
         _wait_state(s.sandbox_id, "paused")
         r = Sandbox.connect(s.sandbox_id, timeout=60)
-        assert _counts_on(r) > 0
+        assert counts_on(r) > 0
         assert r.get_info().state == SandboxState.RUNNING
     finally:
         Sandbox.kill(s.sandbox_id)

@@ -15,26 +15,9 @@ from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
 from tests.conftest import NodeProc, requires_node
+from tests.e2e.counter import COUNTER, counts_on
 
 pytestmark = [requires_node, pytest.mark.runsc]
-
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
-
-
-def _count(s: Sandbox) -> int:
-    return int(s.files.read("/tmp/counter").strip() or 0)
-
-
-def _counts_on(s: Sandbox, limit: float = 10.0) -> int:
-    """The counter's value once it has moved on (it must, within `limit` s)."""
-    first = _count(s)
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = _count(s)
-        if now > first:
-            return first
-    raise AssertionError(f"the counter is stuck at {first}")
 
 
 def test_snapshot_then_create_from_it_by_id_and_name(node: NodeProc) -> None:
@@ -47,7 +30,7 @@ def test_snapshot_then_create_from_it_by_id_and_name(node: NodeProc) -> None:
         info = src.create_snapshot(name="snap-test-a")
         assert info.snapshot_id and info.names == ["snap-test-a"]
         # the source carries on
-        _counts_on(src)
+        counts_on(src)
         src.files.write("/home/user/after.txt", "not in the snapshot")
         src.kill()  # snapshots outlive their sandbox
         for ref in (info.snapshot_id, "snap-test-a"):
@@ -55,7 +38,7 @@ def test_snapshot_then_create_from_it_by_id_and_name(node: NodeProc) -> None:
             made.append(s)
             assert s.files.read("/home/user/snap.txt") == "in the snapshot"
             assert not s.files.exists("/home/user/after.txt")
-            assert _counts_on(s) > 0  # the counter process came along
+            assert counts_on(s) > 0  # the counter process came along
         listed = Sandbox.list_snapshots().next_items()
         assert info.snapshot_id in [x.snapshot_id for x in listed]
         # a reused name is a new build; the name resolves to the newest
