@@ -160,15 +160,21 @@ class Node:
 
     async def create(self, req: NewSandbox) -> SandboxActor:
         template = self.templates.resolve(req.template)
+        self._check_capacity()
+        sandbox_id = ids.new_sandbox_id(self.config.node_tag)
+        return await self._launch(SandboxActor(self, sandbox_id, template, req))
+
+    def _check_capacity(self) -> None:
         if len(self._sandboxes) >= self.config.max_sandboxes:
             raise Busy("node (sandbox limit reached)", retry_after=5.0)
-        sandbox_id = ids.new_sandbox_id(self.config.node_tag)
-        actor = SandboxActor(self, sandbox_id, template, req)
-        self._sandboxes[sandbox_id] = actor
+
+    async def _launch(self, actor: SandboxActor) -> SandboxActor:
+        """Register `actor` and start it in the node's nursery; returns once it is ready."""
+        self._sandboxes[actor.sandbox_id] = actor
         try:
             await self._nursery.start(self._supervise, actor)
         except BaseException:
-            self._sandboxes.pop(sandbox_id, None)
+            self._sandboxes.pop(actor.sandbox_id, None)
             self.m_create_failed.inc()
             raise
         self.m_created.inc()
@@ -199,20 +205,11 @@ class Node:
 
         async def one(i: int) -> None:
             try:
-                if len(self._sandboxes) >= self.config.max_sandboxes:
-                    raise Busy("node (sandbox limit reached)", retry_after=5.0)
+                self._check_capacity()
                 sandbox_id = ids.new_sandbox_id(self.config.node_tag)
                 child = SandboxActor.fork_of(parent, sandbox_id, image, fork.timeout_s)
-                self._sandboxes[sandbox_id] = child
-                try:
-                    await self._nursery.start(self._supervise, child)
-                except BaseException:
-                    self._sandboxes.pop(sandbox_id, None)
-                    raise
-                self.m_created.inc()
-                results[i] = child
+                results[i] = await self._launch(child)
             except Exception as exc:
-                self.m_create_failed.inc()
                 log.warning("fork %d of %s failed: %r", i, parent.sandbox_id, exc)
                 results[i] = exc
 
@@ -260,8 +257,7 @@ class Node:
         image = await self.snapshots.verified_image(doc)
         layers = doc.get("layers") or []
         stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
-        if len(self._sandboxes) >= self.config.max_sandboxes:
-            raise Busy("node (sandbox limit reached)", retry_after=5.0)
+        self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.node_tag)
         actor = SandboxActor.from_snapshot(
             self,
@@ -274,15 +270,7 @@ class Node:
             cpu_count=int(doc.get("cpuCount") or template.cpu_count),
             memory_mb=int(doc.get("memoryMB") or template.memory_mb),
         )
-        self._sandboxes[sandbox_id] = actor
-        try:
-            await self._nursery.start(self._supervise, actor)
-        except BaseException:
-            self._sandboxes.pop(sandbox_id, None)
-            self.m_create_failed.inc()
-            raise
-        self.m_created.inc()
-        return actor
+        return await self._launch(actor)
 
     async def kill(self, sandbox_id: str) -> None:
         from aenv.node.sandbox import Kill
