@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from aenv.api import views
+from aenv.api.auth import api_key_refusal
 from aenv.kit.mailbox import ActorGone, Busy
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import (
@@ -152,14 +152,10 @@ def create_app(node: Node) -> QuartTrio:
         await request.get_data()
         if request.path == "/health":
             return None
-        given = request.headers.get("X-API-Key", "")
-        if not given:
-            auth = request.headers.get("Authorization", "")
-            if auth.lower().startswith("bearer "):
-                given = auth[7:].strip()
-        if not hmac.compare_digest(given.encode(), key):
-            return error_response(401, "Invalid API key" if given else "Missing X-API-Key header")
-        return None
+        refusal = api_key_refusal(
+            request.headers.get("X-API-Key", ""), request.headers.get("Authorization", ""), key
+        )
+        return None if refusal is None else error_response(401, refusal)
 
     @app.after_request
     async def _count(resp: Response) -> Response:

@@ -16,7 +16,6 @@ buffers more than one envd chunk. A client that goes away kills the process.
 from __future__ import annotations
 
 import base64
-import hmac
 import json
 import logging
 import math
@@ -28,6 +27,7 @@ import trio
 from quart import Response, websocket
 from quart_trio import QuartTrio
 
+from aenv.api.auth import api_key_refusal
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import SandboxActor
 from aenv.proto import connect as cn
@@ -399,17 +399,16 @@ def register(app: QuartTrio, node: Node, error_response: Any) -> None:
 
     @app.websocket("/sandboxes/<sandbox_id>/exec")
     async def exec_ws(sandbox_id: str) -> Response | None:
-        given = websocket.headers.get("X-API-Key", "")
-        if not given:
-            auth = websocket.headers.get("Authorization", "")
-            if auth.lower().startswith("bearer "):
-                given = auth[7:].strip()
-        if not hmac.compare_digest(given.encode(), key):
-            return error_response(401, "Invalid API key" if given else "Missing X-API-Key header")  # type: ignore[no-any-return]
+        refusal = api_key_refusal(
+            websocket.headers.get("X-API-Key", ""), websocket.headers.get("Authorization", ""), key
+        )
+        if refusal is not None:
+            return error_response(401, refusal)  # type: ignore[no-any-return]
         actor = _find(node, sandbox_id)
         if actor is None:
             return error_response(404, f"sandbox {sandbox_id!r} not found")  # type: ignore[no-any-return]
-        if actor.state.value != "running" or actor.sandbox_ip is None:
+        envd_http = actor.http  # the running period's client (None unless running)
+        if actor.state.value != "running" or actor.sandbox_ip is None or envd_http is None:
             return error_response(409, f"sandbox {sandbox_id} is {actor.state.value}")  # type: ignore[no-any-return]
         await websocket.accept()
         node.m_proxied.inc(kind="exec")
@@ -424,9 +423,7 @@ def register(app: QuartTrio, node: Node, error_response: Any) -> None:
             await websocket.send(json.dumps({"type": "error", "message": str(e)}))
             await websocket.close(1008)
             return None
-        session = ExecSession(
-            websocket, EnvdProcessClient(actor.http or node.http, actor, spec.user), spec
-        )
+        session = ExecSession(websocket, EnvdProcessClient(envd_http, actor, spec.user), spec)
         await session.run()
         await websocket.close(1000)
         return None

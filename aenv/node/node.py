@@ -19,7 +19,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from aenv.config import Config
@@ -79,7 +78,6 @@ class Node:
         runtime: Runtime,
         network: HostNetwork,
         templates: TemplateStore,
-        http: httpx.AsyncClient,
         nursery: trio.Nursery,
         api_key: str,
     ) -> None:
@@ -90,7 +88,6 @@ class Node:
         self.layers = LayerStore(config.home / "layers")
         self.meta = Metadata(MetadataStore(config.home / "aenv.db"))
         self.snapshots = Snapshots(config.home / "snapshots", self.meta)
-        self.http = http
         self.api_key = api_key
         self.limits = Limits(
             max_timeout_s=config.max_timeout_s,
@@ -296,7 +293,6 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
     await trio.to_thread.run_sync(reap_stale_mounts, config.sandboxes_dir)
     _clear_dir(config.sandboxes_dir)
     templates = TemplateStore(config.templates_dir)
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     async with (
         open_host_network(
             cidr=config.slot_cidr,
@@ -304,7 +300,6 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             table=config.net_prefix,
             egress_cap=config.egress_cap,
         ) as network,
-        httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0), trust_env=False) as http,
         trio.open_nursery() as nursery,
     ):
         node = Node(
@@ -312,7 +307,6 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             runtime=runtime,
             network=network,
             templates=templates,
-            http=http,
             nursery=nursery,
             api_key=api_key,
         )

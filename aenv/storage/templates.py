@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from aenv.proto.envd_schema import ENVD_VERSION
 from aenv.proto.ids import InvalidName, check_name
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ METADATA_FILE = "template.json"
 ROOTFS_DIR = "rootfs"
 METADATA_VERSION = 1
 # Version of the envd API reported for templates until envd states its own.
-ENVD_VERSION = "0.6.4"
 # Templates installed by `aenv.storage.rootfs.ensure_default_templates`.
 DEFAULT_TEMPLATE_IDS = frozenset({"base", "busybox"})
 _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
