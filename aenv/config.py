@@ -41,6 +41,15 @@ class Config:
     default_memory_mb: int = 512
     node_tag: str = "n0"
     max_body_bytes: int = 1 << 20
+    # Byte bound on the local chunk cache of image contents (AENV_CACHE_MAX_BYTES).
+    cache_max_bytes: int = 32 << 30
+    # Registries images may come from (None: any), registries reachable over
+    # plain HTTP, and mirrors tried before a registry ({registry: (urls...)}).
+    registry_allow: tuple[str, ...] | None = None
+    registry_insecure: tuple[str, ...] = ()
+    registry_mirrors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Docker-style credentials file ({"auths": {host: {"auth": b64(user:pass)}}}).
+    registry_auth_file: Path | None = None
 
     @property
     def state_dir(self) -> Path:
@@ -65,6 +74,18 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return self.home / "run"
+
+    @property
+    def images_dir(self) -> Path:
+        return self.home / "images"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.home / "cache"
+
+    @property
+    def auth_file(self) -> Path:
+        return self.registry_auth_file or self.secrets_dir / "registries.json"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> Config:
@@ -92,5 +113,47 @@ class Config:
             )
         if "AENV_NODE_TAG" in env:
             kw["node_tag"] = env["AENV_NODE_TAG"]
+        if env.get("AENV_CACHE_MAX_BYTES"):
+            kw["cache_max_bytes"] = parse_size(env["AENV_CACHE_MAX_BYTES"])
+        if "AENV_REGISTRY_ALLOW" in env:
+            kw["registry_allow"] = _csv(env["AENV_REGISTRY_ALLOW"])
+        if "AENV_REGISTRY_INSECURE" in env:
+            kw["registry_insecure"] = _csv(env["AENV_REGISTRY_INSECURE"])
+        if env.get("AENV_REGISTRY_MIRRORS"):
+            kw["registry_mirrors"] = parse_mirrors(env["AENV_REGISTRY_MIRRORS"])
+        if env.get("AENV_REGISTRY_AUTH_FILE"):
+            kw["registry_auth_file"] = Path(env["AENV_REGISTRY_AUTH_FILE"])
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)  # type: ignore[arg-type]
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "512M", "10GiB", "2g" (binary units)."""
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = raw[-1:] if raw[-1:] in _UNITS else ""
+    number = raw[: len(raw) - len(unit)].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (try 256M or 10G)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_mirrors(text: str) -> dict[str, tuple[str, ...]]:
+    """{registry: mirrors} from "docker.io=https://m1|https://m2,ghcr.io=http://m3"."""
+    mirrors: dict[str, tuple[str, ...]] = {}
+    for item in _csv(text):
+        registry, sep, urls = item.partition("=")
+        if not sep or not registry.strip() or not urls.strip():
+            raise ValueError(f"mirror setting {item!r} is not REGISTRY=URL[|URL...]")
+        mirrors[registry.strip()] = tuple(u.strip() for u in urls.split("|") if u.strip())
+    return mirrors

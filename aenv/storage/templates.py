@@ -78,6 +78,23 @@ class Template:
     public: bool = True
     start_cmd: str | None = None
     ready_cmd: str | None = None
+    # Image templates: the pulled image's key (its tree is `rootfs`, served
+    # lazily on the image mount), the reference it came from, and what the
+    # image config asks of processes (Env, WorkingDir, User).
+    image_key: str | None = None
+    image_ref: str | None = None
+    env: tuple[str, ...] = ()
+    workdir: str | None = None
+    user: str | None = None
+
+    @property
+    def env_map(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for item in self.env:
+            key, _, value = item.partition("=")
+            if key:
+                out[key] = value
+        return out
 
     def to_api(
         self,
@@ -121,6 +138,15 @@ class Template:
             "public": self.public,
             "startCmd": self.start_cmd,
             "readyCmd": self.ready_cmd,
+            "image": None
+            if self.image_key is None
+            else {
+                "key": self.image_key,
+                "ref": self.image_ref,
+                "env": list(self.env),
+                "workdir": self.workdir,
+                "user": self.user,
+            },
         }
 
 
@@ -143,7 +169,30 @@ def _optional_str(data: dict[str, object], key: str) -> str | None:
     return value
 
 
-def _parse(template_id: str, template_dir: Path, raw: bytes) -> Template:
+def _parse_image(data: dict[str, object]) -> dict[str, object]:
+    image = data.get("image")
+    if image is None:
+        return {}
+    if not isinstance(image, dict):
+        raise _Corrupt("'image' is not an object")
+    key = _field(image, "key", str)
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise _Corrupt("'image.key' is not a sha256 hex digest")
+    env = image.get("env") or []
+    if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
+        raise _Corrupt("'image.env' is not a list of strings")
+    return {
+        "image_key": key,
+        "image_ref": _optional_str(image, "ref"),
+        "env": tuple(env),
+        "workdir": _optional_str(image, "workdir"),
+        "user": _optional_str(image, "user"),
+    }
+
+
+def _parse(
+    template_id: str, template_dir: Path, raw: bytes, image_root: Path | None = None
+) -> Template:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -162,6 +211,9 @@ def _parse(template_id: str, template_dir: Path, raw: bytes) -> Template:
     numbers = {k: _field(data, k, int) for k in ("cpuCount", "memoryMB", "diskSizeMB")}
     if numbers["cpuCount"] < 1 or numbers["memoryMB"] < 1 or numbers["diskSizeMB"] < 0:
         raise _Corrupt("resources out of range")
+    image = _parse_image(data)
+    if image and image_root is None:
+        raise _Corrupt("an image template, but this store has no image mount")
     stamps: dict[str, float] = {}
     for key in ("createdAt", "updatedAt"):
         value = data.get(key)
@@ -172,7 +224,9 @@ def _parse(template_id: str, template_dir: Path, raw: bytes) -> Template:
         template_id=template_id,
         build_id=_field(data, "buildID", str),
         aliases=checked,
-        rootfs=template_dir / ROOTFS_DIR,
+        rootfs=template_dir / ROOTFS_DIR
+        if not image
+        else (image_root or Path("/nonexistent")) / str(image["image_key"]),
         cpu_count=numbers["cpuCount"],
         memory_mb=numbers["memoryMB"],
         disk_size_mb=numbers["diskSizeMB"],
@@ -181,6 +235,7 @@ def _parse(template_id: str, template_dir: Path, raw: bytes) -> Template:
         public=_field(data, "public", bool),
         start_cmd=_optional_str(data, "startCmd"),
         ready_cmd=_optional_str(data, "readyCmd"),
+        **image,  # type: ignore[arg-type]
     )
 
 
@@ -240,8 +295,10 @@ def _move_tree(src: Path, dst: Path) -> None:
 class TemplateStore:
     """Templates under one directory (`$AENV_HOME/templates`)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, image_root: Path | None = None) -> None:
         self.root = root
+        # Where image templates' trees appear (the node's image mount).
+        self.image_root = image_root
         root.mkdir(parents=True, exist_ok=True)
         with self._locked():
             for leftover in root.iterdir():
@@ -273,7 +330,7 @@ class TemplateStore:
             log.warning("skipping template %r: cannot read metadata: %s", template_id, exc)
             return None
         try:
-            return _parse(template_id, template_dir, raw)
+            return _parse(template_id, template_dir, raw, self.image_root)
         except _Corrupt as exc:
             log.warning("skipping template %r: corrupt %s: %s", template_id, METADATA_FILE, exc)
             return None
@@ -301,6 +358,32 @@ class TemplateStore:
                 return candidate
         raise TemplateNotFound(f"template {name_or_id!r} not found")
 
+    def _check_new(
+        self, template_id: str, aliases: Sequence[str], cpu_count: int, memory_mb: int
+    ) -> tuple[str, ...]:
+        check_name(template_id, "template ID")
+        if isinstance(aliases, str):
+            raise TypeError("aliases must be a sequence of names, not a string")
+        clean_aliases = tuple(dict.fromkeys(check_name(a, "alias") for a in aliases))
+        if cpu_count < 1 or memory_mb < 1:
+            raise ValueError("cpu_count and memory_mb must be positive")
+        return clean_aliases
+
+    def _check_free(self, template_id: str, aliases: tuple[str, ...]) -> None:
+        """Raise TemplateConflict if the ID or an alias is taken (hold the lock)."""
+        taken_ids: set[str] = set()
+        taken_aliases: set[str] = set()
+        for entry in self.root.iterdir():
+            if not entry.name.startswith("."):
+                taken_ids.add(entry.name)
+        for other in self.list():
+            taken_aliases.update(other.aliases)
+        if template_id in taken_ids or template_id in taken_aliases:
+            raise TemplateConflict(f"template {template_id!r} already exists")
+        clash = [a for a in aliases if a in taken_aliases or a in taken_ids]
+        if clash:
+            raise TemplateConflict(f"alias {clash[0]!r} is already taken")
+
     def add(
         self,
         *,
@@ -313,28 +396,11 @@ class TemplateStore:
         ready_cmd: str | None = None,
     ) -> Template:
         """Install `rootfs_dir` (moved, not copied, when on the same filesystem) as a template."""
-        check_name(template_id, "template ID")
-        if isinstance(aliases, str):
-            raise TypeError("aliases must be a sequence of names, not a string")
-        clean_aliases = tuple(dict.fromkeys(check_name(a, "alias") for a in aliases))
-        if cpu_count < 1 or memory_mb < 1:
-            raise ValueError("cpu_count and memory_mb must be positive")
+        clean_aliases = self._check_new(template_id, aliases, cpu_count, memory_mb)
         if rootfs_dir.is_symlink() or not rootfs_dir.is_dir():
             raise NotADirectoryError(f"{rootfs_dir} is not a directory")
         with self._locked():
-            taken_ids: set[str] = set()
-            taken_aliases: set[str] = set()
-            for entry in self.root.iterdir():
-                if not entry.name.startswith("."):
-                    taken_ids.add(entry.name)
-            for other in self.list():
-                taken_aliases.update(other.aliases)
-            if template_id in taken_ids or template_id in taken_aliases:
-                raise TemplateConflict(f"template {template_id!r} already exists")
-            clash = [a for a in clean_aliases if a in taken_aliases or a in taken_ids]
-            if clash:
-                raise TemplateConflict(f"alias {clash[0]!r} is already taken")
-
+            self._check_free(template_id, clean_aliases)
             disk_size_mb = tree_size_mb(rootfs_dir)
             now = time.time()
             template_dir = self.root / template_id
@@ -368,6 +434,59 @@ class TemplateStore:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
         log.info("added template %s (aliases %s, %d MiB)", template_id, clean_aliases, disk_size_mb)
+        return template
+
+    def add_image(
+        self,
+        *,
+        template_id: str,
+        image_key: str,
+        image_ref: str,
+        size_bytes: int,
+        aliases: Sequence[str] = (),
+        env: Sequence[str] = (),
+        workdir: str | None = None,
+        user: str | None = None,
+        cpu_count: int = 2,
+        memory_mb: int = 512,
+        start_cmd: str | None = None,
+        ready_cmd: str | None = None,
+    ) -> Template:
+        """Record a template whose root filesystem is pulled image `image_key`."""
+        if self.image_root is None:
+            raise ValueError("this template store has no image mount")
+        clean_aliases = self._check_new(template_id, aliases, cpu_count, memory_mb)
+        with self._locked():
+            self._check_free(template_id, clean_aliases)
+            now = time.time()
+            template = Template(
+                template_id=template_id,
+                build_id=str(uuid.uuid4()),
+                aliases=clean_aliases,
+                rootfs=self.image_root / image_key,
+                cpu_count=cpu_count,
+                memory_mb=memory_mb,
+                disk_size_mb=-(-size_bytes // (1 << 20)),
+                created_at=now,
+                updated_at=now,
+                start_cmd=start_cmd,
+                ready_cmd=ready_cmd,
+                image_key=image_key,
+                image_ref=image_ref,
+                env=tuple(env),
+                workdir=workdir or None,
+                user=user or None,
+            )
+            staging = self.root / f"{_STAGING_PREFIX}{template_id}-{secrets.token_hex(4)}"
+            staging.mkdir(mode=0o755)
+            try:
+                _write_json_atomic(staging / METADATA_FILE, template._to_json())
+                os.rename(staging, self.root / template_id)
+                _fsync_dir(self.root)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        log.info("added template %s from image %s (%s)", template_id, image_ref, image_key[:12])
         return template
 
     def delete(self, name_or_id: str) -> None:
