@@ -64,7 +64,11 @@ class UserDB:
             if user.name == name:
                 return user
         if name.isdigit():
-            return self.by_uid(int(name))
+            try:
+                return self.by_uid(int(name))
+            except UnknownUser:
+                # As Docker does for a numeric USER without an account: gid 0, home /.
+                return User(name, int(name), 0, "/", "/bin/sh")
         raise UnknownUser(f"user: unknown user {name}")
 
     def by_uid(self, uid: int) -> User:

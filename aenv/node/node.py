@@ -22,11 +22,15 @@ from typing import Any
 import trio
 
 from aenv.config import Config
+from aenv.images.service import Images, open_images
+from aenv.images.store import ImageRecord
 from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
 from aenv.node.sandbox import Fork, SandboxActor, Snapshot
 from aenv.node.snapshots import Snapshots
 from aenv.proto import ids
+from aenv.proto.ids import InvalidName
+from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.requests import Limits, NewSandbox
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
@@ -34,7 +38,7 @@ from aenv.runtimes.netns import HostNetwork, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import reap_stale_mounts
-from aenv.storage.templates import TemplateStore
+from aenv.storage.templates import Template, TemplateConflict, TemplateNotFound, TemplateStore
 
 log = logging.getLogger("aenv.node")
 
@@ -78,6 +82,7 @@ class Node:
         runtime: Runtime,
         network: HostNetwork,
         templates: TemplateStore,
+        images: Images,
         nursery: trio.Nursery,
         api_key: str,
     ) -> None:
@@ -85,6 +90,7 @@ class Node:
         self.runtime = runtime
         self.network = network
         self.templates = templates
+        self.images = images
         self.layers = LayerStore(config.home / "layers")
         self.meta = Metadata(MetadataStore(config.home / "aenv.db"))
         self.snapshots = Snapshots(config.home / "snapshots", self.meta)
@@ -155,8 +161,51 @@ class Node:
 
     # -- operations ----------------------------------------------------------
 
+    async def resolve_template(self, name: str) -> Template:
+        """The template `name` names; else, if it is an image reference, that image's.
+
+        An image is pulled if this node has not pulled that reference yet, and
+        gets a template of its own (`img-` and its digest) so sandboxes started
+        from it can be paused, snapshotted and forked like any other.
+        """
+        try:
+            template = await trio.to_thread.run_sync(self.templates.resolve, name)
+        except (TemplateNotFound, InvalidName) as not_template:
+            try:
+                parse_reference(name)
+            except InvalidReference:
+                raise not_template from None
+            record = await self.images.pull(name, missing_only=True)
+            template = await trio.to_thread.run_sync(self.image_template, record)
+        if template.image_key is not None:
+            await self.images.prepare(template.image_key)
+        return template
+
+    def image_template(self, record: ImageRecord, aliases: tuple[str, ...] = ()) -> Template:
+        """The template of pulled image `record` without aliases (blocking)."""
+        template_id = f"img-{record.key[:20]}"
+        try:
+            return self.templates.resolve(template_id)
+        except TemplateNotFound:
+            pass
+        try:
+            return self.templates.add_image(
+                template_id=template_id,
+                image_key=record.key,
+                image_ref=record.reference,
+                size_bytes=record.content_bytes,
+                aliases=aliases,
+                env=record.config.env,
+                workdir=record.config.workdir,
+                user=record.config.user,
+                cpu_count=self.config.default_cpu,
+                memory_mb=self.config.default_memory_mb,
+            )
+        except TemplateConflict:  # a concurrent create made it first
+            return self.templates.resolve(template_id)
+
     async def create(self, req: NewSandbox) -> SandboxActor:
-        template = self.templates.resolve(req.template)
+        template = await self.resolve_template(req.template)
         self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.node_tag)
         return await self._launch(SandboxActor(self, sandbox_id, template, req))
@@ -250,7 +299,7 @@ class Node:
             req.fail(exc)
 
     async def create_from_snapshot(self, doc: dict[str, Any], req: NewSandbox) -> SandboxActor:
-        template = self.templates.resolve(doc["templateID"])
+        template = await self.resolve_template(doc["templateID"])
         image = await self.snapshots.verified_image(doc)
         layers = doc.get("layers") or []
         stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
@@ -292,8 +341,9 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
     await runtime.reap_stale()
     await trio.to_thread.run_sync(reap_stale_mounts, config.sandboxes_dir)
     _clear_dir(config.sandboxes_dir)
-    templates = TemplateStore(config.templates_dir)
+    templates = TemplateStore(config.templates_dir, image_root=config.run_dir / "images")
     async with (
+        open_images(config) as images,
         open_host_network(
             cidr=config.slot_cidr,
             prefix=config.net_prefix,
@@ -307,6 +357,7 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             runtime=runtime,
             network=network,
             templates=templates,
+            images=images,
             nursery=nursery,
             api_key=api_key,
         )

@@ -142,7 +142,8 @@ class SandboxActor:
         self.sandbox_id = sandbox_id
         self.template = template
         self.metadata = dict(req.metadata)
-        self.env_vars = dict(req.env_vars)
+        # The image's Env first; the caller's envVars override it.
+        self.env_vars = {**template.env_map, **req.env_vars}
         self.policy = req.policy
         self.allow_internet_access = req.allow_internet_access
         self.allow_public_traffic = req.allow_public_traffic
@@ -511,8 +512,8 @@ class SandboxActor:
         body: dict[str, Any] = {
             "envVars": self.env_vars,
             "accessToken": self.envd_access_token,
-            "defaultUser": "user",
-            "defaultWorkdir": "/home/user",
+            "defaultUser": self._default_user(),
+            "defaultWorkdir": self._default_workdir(),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         # after a resume envd already holds the token and wants it to re-init
@@ -521,6 +522,17 @@ class SandboxActor:
         r = await client.post(f"{base}/init", json=body, headers=headers, timeout=10.0)
         if r.status_code >= 300:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}: {r.text[:200]}")
+
+    def _default_user(self) -> str:
+        """E2B templates run as "user"; an image runs as its config's User (else root)."""
+        if self.template.image_key is None:
+            return "user"
+        return (self.template.user or "root").partition(":")[0] or "root"
+
+    def _default_workdir(self) -> str:
+        if self.template.image_key is None:
+            return "/home/user"
+        return self.template.workdir or "/"  # as `docker run` does
 
     async def _serve(self) -> None:
         assert self._running is not None

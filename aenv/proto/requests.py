@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aenv.proto.ids import InvalidName, check_name
+from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy, PolicyError
 
 MAX_METADATA_ITEMS = 64
@@ -144,7 +145,11 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
     try:
         check_name(template, "templateID")
     except InvalidName as e:
-        raise BadRequest(str(e)) from None
+        # aenv extension: an OCI image reference starts a sandbox from that image.
+        try:
+            parse_reference(template)
+        except InvalidReference as ref_error:
+            raise BadRequest(f"{e} (nor is it an image reference: {ref_error})") from None
     _refuse_unsupported(b)
     allow_internet = _bool(b, "allow_internet_access")
     net_raw = b.get("network")

@@ -1,0 +1,482 @@
+"""ImageStore: pulls OCI images, converts each layer once, and serves image trees.
+
+A pull resolves a reference at its registry, then converts every layer not
+converted before: the blob streams from the registry into a
+`LayerConverter` in a worker thread, whose chunks land in the bounded
+`ChunkCache` and whose `LayerIndex` is written under `<root>/layers/` only
+once the blob's digest has been verified. The image record (reference,
+manifest digest, config, layer digests) is written last, atomically, under
+`<root>/records/`, so a failed or cancelled pull leaves no image behind;
+chunks it cached are ordinary cache entries that age out.
+
+Trees are built on demand from the layer indexes (`tree(key)`) and handed to
+the FUSE file system, which reads content through the cache. A chunk that is
+not in the cache is cut again from its layer's blob at the registry it came
+from (`fetch_chunk`): concurrent misses on one layer share one pass over the
+blob where they can. Layer indexes are small metadata and are never evicted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from aenv.images.cache import ChunkCache
+from aenv.images.convert import ChunkCutter, ConversionError, LayerConverter
+from aenv.images.registry import RegistryClient, RegistryError
+from aenv.proto import layerindex
+from aenv.proto.imageref import ImageRef, InvalidReference, parse_reference
+from aenv.proto.imagetree import ImageTree
+from aenv.proto.layerindex import Chunk, LayerIndex
+
+__all__ = [
+    "ChunkRefetchError",
+    "ImageConfigView",
+    "ImageNotPulled",
+    "ImageRecord",
+    "ImageStore",
+    "PullError",
+]
+
+log = logging.getLogger("aenv.images")
+
+RECORD_VERSION = 1
+_FEED_BYTES = 1 << 20
+_BATCH_WINDOW_S = 0.005  # misses on one layer this close together share a pass  # hand the converter at least this much per thread hop
+
+
+class PullError(Exception):
+    """Pulling an image failed; nothing of it was recorded."""
+
+
+class ChunkRefetchError(Exception):
+    """An evicted chunk could not be cut again from its registry blob."""
+
+
+class ImageNotPulled(LookupError):
+    """No image with this reference or key has been pulled."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageConfigView:
+    """What a sandbox takes from the image config."""
+
+    env: tuple[str, ...] = ()
+    workdir: str = ""
+    user: str = ""
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "env": list(self.env),
+            "workdir": self.workdir,
+            "user": self.user,
+            "entrypoint": list(self.entrypoint),
+            "cmd": list(self.cmd),
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ImageConfigView:
+        return cls(
+            env=tuple(str(e) for e in doc.get("env") or ()),
+            workdir=str(doc.get("workdir") or ""),
+            user=str(doc.get("user") or ""),
+            entrypoint=tuple(str(e) for e in doc.get("entrypoint") or ()),
+            cmd=tuple(str(e) for e in doc.get("cmd") or ()),
+        )
+
+    @property
+    def env_map(self) -> dict[str, str]:
+        out = {}
+        for item in self.env:
+            key, _, value = item.partition("=")
+            if key:
+                out[key] = value
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageRecord:
+    key: str  # hex of the manifest digest: the image's directory name on the FUSE mount
+    reference: str  # canonical reference it was pulled as
+    registry: str
+    repository: str
+    manifest_digest: str
+    platform: str
+    config: ImageConfigView
+    layers: tuple[str, ...]  # layer blob digests, bottom first
+    compressed_bytes: int
+    content_bytes: int
+    pulled_at: float
+    references: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": RECORD_VERSION,
+            "key": self.key,
+            "reference": self.reference,
+            "references": list(self.references or (self.reference,)),
+            "registry": self.registry,
+            "repository": self.repository,
+            "manifestDigest": self.manifest_digest,
+            "platform": self.platform,
+            "config": self.config.to_json(),
+            "layers": list(self.layers),
+            "compressedBytes": self.compressed_bytes,
+            "contentBytes": self.content_bytes,
+            "pulledAt": self.pulled_at,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ImageRecord:
+        if doc.get("version") != RECORD_VERSION:
+            raise ValueError(f"unknown image record version {doc.get('version')!r}")
+        return cls(
+            key=str(doc["key"]),
+            reference=str(doc["reference"]),
+            references=tuple(str(r) for r in doc.get("references") or ()),
+            registry=str(doc["registry"]),
+            repository=str(doc["repository"]),
+            manifest_digest=str(doc["manifestDigest"]),
+            platform=str(doc.get("platform") or "linux/amd64"),
+            config=ImageConfigView.from_json(doc.get("config") or {}),
+            layers=tuple(str(x) for x in doc["layers"]),
+            compressed_bytes=int(doc.get("compressedBytes") or 0),
+            content_bytes=int(doc.get("contentBytes") or 0),
+            pulled_at=float(doc.get("pulledAt") or 0.0),
+        )
+
+    def to_api(self) -> dict[str, Any]:
+        return {
+            "image": self.reference,
+            "digest": self.manifest_digest,
+            "platform": self.platform,
+            "layers": len(self.layers),
+            "compressedBytes": self.compressed_bytes,
+            "contentBytes": self.content_bytes,
+            "env": list(self.config.env),
+            "workdir": self.config.workdir,
+            "user": self.config.user,
+            "entrypoint": list(self.config.entrypoint),
+            "cmd": list(self.config.cmd),
+        }
+
+
+def _hex(digest: str) -> str:
+    algo, _, hexpart = digest.partition(":")
+    if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
+        raise ValueError(f"not a sha256 digest: {digest!r}")
+    return hexpart
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class _Refetch:
+    """One pass over a layer blob cutting the chunks misses asked for."""
+
+    layer: str
+    wanted: dict[str, Chunk] = field(default_factory=dict)
+    results: dict[str, bytes] = field(default_factory=dict)
+    started: bool = False
+    done: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
+
+
+class ImageStore:
+    """Images pulled on this node: records, layer indexes, trees (one instance per node)."""
+
+    def __init__(
+        self,
+        *,
+        root: Path,
+        cache: ChunkCache,
+        registry: RegistryClient,
+        convert_limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self.root = root
+        self.cache = cache
+        self.registry = registry
+        self._limiter = convert_limiter or trio.CapacityLimiter(2)
+        (root / "records").mkdir(parents=True, exist_ok=True)
+        (root / "layers").mkdir(parents=True, exist_ok=True)
+        for stray in (
+            *root.joinpath("records").glob(".*.tmp"),
+            *root.joinpath("layers").glob(".*.tmp"),
+        ):
+            stray.unlink(missing_ok=True)
+        self._trees: dict[str, ImageTree] = {}
+        self._layer_locks: dict[str, trio.Lock] = {}
+        self._pull_locks: dict[str, trio.Lock] = {}
+        self._refetches: dict[str, _Refetch] = {}
+        self.bytes_downloaded = 0
+
+    # -- records -------------------------------------------------------------
+
+    def records(self) -> list[ImageRecord]:
+        """Every pulled image, newest first (blocking: small JSON files)."""
+        found = []
+        for path in (self.root / "records").glob("*.json"):
+            try:
+                found.append(ImageRecord.from_json(json.loads(path.read_bytes())))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("skipping image record %s: %s", path.name, exc)
+        return sorted(found, key=lambda r: r.pulled_at, reverse=True)
+
+    def find(self, ref: ImageRef | str) -> ImageRecord | None:
+        """The newest record pulled as this reference (or with this digest), else None."""
+        ref = parse_reference(ref) if isinstance(ref, str) else ref
+        for record in self.records():
+            if ref.digest and record.manifest_digest == ref.digest:
+                return record
+            if not ref.digest and str(ref) in (record.references or (record.reference,)):
+                return record
+        return None
+
+    def record(self, key: str) -> ImageRecord:
+        try:
+            raw = (self.root / "records" / f"{_hex('sha256:' + key)}.json").read_bytes()
+        except (OSError, ValueError):
+            raise ImageNotPulled(f"image {key!r} is not on this node") from None
+        return ImageRecord.from_json(json.loads(raw))
+
+    # -- pulling -------------------------------------------------------------
+
+    async def pull(
+        self, reference: str, *, platform: str = "linux/amd64", missing_only: bool = False
+    ) -> ImageRecord:
+        """Resolve `reference`, convert its new layers and record it; returns the record.
+
+        With `missing_only`, an image already pulled under this reference is
+        returned as is (like `docker run`'s default pull policy).
+        """
+        try:
+            ref = parse_reference(reference)
+        except InvalidReference as exc:
+            raise PullError(str(exc)) from None
+        if missing_only and (found := await trio.to_thread.run_sync(self.find, ref)) is not None:
+            return found
+        lock = self._pull_locks.setdefault(str(ref), trio.Lock())
+        async with lock:
+            return await self._pull(ref, platform)
+
+    async def _pull(self, ref: ImageRef, platform: str) -> ImageRecord:
+        os_name, _, arch = platform.partition("/")
+        started = time.monotonic()
+        try:
+            resolved = await self.registry.resolve(ref, platform=(os_name, arch or "amd64"))
+            indexes: list[LayerIndex | None] = [None] * len(resolved.layers)
+
+            async def one(i: int) -> None:
+                indexes[i] = await self._layer(ref, resolved.layers[i])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(resolved.layers)):
+                    nursery.start_soon(one, i)
+        except (RegistryError, ConversionError) as exc:
+            raise PullError(f"pulling {ref}: {exc}") from exc
+        done = [ix for ix in indexes if ix is not None]
+        config = resolved.config
+        record = ImageRecord(
+            key=_hex(resolved.manifest_digest),
+            reference=str(ref),
+            registry=ref.registry,
+            repository=ref.repository,
+            manifest_digest=resolved.manifest_digest,
+            platform=platform,
+            config=ImageConfigView(
+                env=tuple(config.env),
+                workdir=config.working_dir or "",
+                user=config.user or "",
+                entrypoint=tuple(config.entrypoint or ()),
+                cmd=tuple(config.cmd or ()),
+            ),
+            layers=tuple(ix.digest for ix in done),
+            compressed_bytes=sum(ix.size for ix in done),
+            content_bytes=sum(ix.content_bytes for ix in done),
+            pulled_at=time.time(),
+        )
+        await trio.to_thread.run_sync(self._save_record, record)
+        log.info(
+            "pulled %s (%s, %d layers, %d MiB) in %.2fs",
+            ref,
+            resolved.manifest_digest[:19],
+            len(done),
+            record.content_bytes >> 20,
+            time.monotonic() - started,
+        )
+        return record
+
+    def _save_record(self, record: ImageRecord) -> None:
+        path = self.root / "records" / f"{record.key}.json"
+        refs = [record.reference]
+        try:
+            old = ImageRecord.from_json(json.loads(path.read_bytes()))
+            refs += [r for r in (old.references or (old.reference,)) if r not in refs]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        # A tag moves: no other record keeps claiming it.
+        for other in self.records():
+            if other.key != record.key and record.reference in other.references:
+                kept = tuple(r for r in other.references if r != record.reference)
+                doc = other.to_json() | {"references": list(kept or ("",))}
+                if not kept:
+                    doc["references"] = []
+                _write_atomic(self.root / "records" / f"{other.key}.json", json.dumps(doc).encode())
+        doc = record.to_json() | {"references": refs}
+        _write_atomic(path, json.dumps(doc, indent=1).encode())
+
+    def _index_path(self, digest: str) -> Path:
+        return self.root / "layers" / f"{_hex(digest)}.json"
+
+    def load_index(self, digest: str) -> LayerIndex:
+        """A converted layer's index (blocking)."""
+        return layerindex.loads(self._index_path(digest).read_bytes())
+
+    async def _layer(self, ref: ImageRef, desc: Any) -> LayerIndex:
+        """The index of layer `desc`, converting it from the registry unless done before."""
+        lock = self._layer_locks.setdefault(desc.digest, trio.Lock())
+        async with lock:
+            path = self._index_path(desc.digest)
+            try:
+                return await trio.to_thread.run_sync(self.load_index, desc.digest)
+            except FileNotFoundError:
+                pass
+            except layerindex.BadIndex as exc:
+                log.warning("layer index %s is corrupt (%s); converting again", path.name, exc)
+            converter = LayerConverter(
+                digest=desc.digest,
+                size=desc.size,
+                media_type=desc.media_type,
+                put_chunk=self.cache.put,
+            )
+            pending = bytearray()
+            async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
+                async for piece in stream:
+                    self.bytes_downloaded += len(piece)
+                    pending += piece
+                    if len(pending) >= _FEED_BYTES:
+                        data, pending = bytes(pending), bytearray()
+                        await trio.to_thread.run_sync(converter.feed, data, limiter=self._limiter)
+            if pending:
+                await trio.to_thread.run_sync(converter.feed, bytes(pending), limiter=self._limiter)
+            index = await trio.to_thread.run_sync(converter.finish, limiter=self._limiter)
+            raw = layerindex.dumps(index)
+            await trio.to_thread.run_sync(_write_atomic, path, raw)
+            return index
+
+    # -- trees ---------------------------------------------------------------
+
+    async def tree(self, key: str) -> ImageTree:
+        """The merged tree of pulled image `key` (built once, then kept)."""
+        tree = self._trees.get(key)
+        if tree is None:
+            record = await trio.to_thread.run_sync(self.record, key)
+
+            def build() -> ImageTree:
+                return ImageTree.build([self.load_index(d) for d in record.layers])
+
+            tree = await trio.to_thread.run_sync(build)
+            tree = self._trees.setdefault(key, tree)
+        return tree
+
+    # -- re-fetching evicted chunks -------------------------------------------
+
+    def _source(self, layer: str) -> ImageRef:
+        for record in self.records():
+            if layer in record.layers:
+                return parse_reference(
+                    f"{record.registry}/{record.repository}@{record.manifest_digest}"
+                )
+        raise ImageNotPulled(f"no pulled image has layer {layer}")
+
+    async def fetch_chunk(self, chunk: Chunk, layer: str) -> bytes:
+        """Cut `chunk` again from `layer`'s blob at its registry (the cache's fetcher).
+
+        Misses on one layer within a short window share one pass over the blob.
+        """
+        job = self._refetches.get(layer)
+        if job is None or job.started:
+            job = _Refetch(layer=layer)
+            self._refetches[layer] = job
+            job.wanted[chunk.digest] = chunk
+            try:
+                await trio.sleep(_BATCH_WINDOW_S)
+            finally:
+                job.started = True
+                if self._refetches.get(layer) is job:
+                    del self._refetches[layer]
+            # The pass runs in this task so cancellation and errors stay structured.
+            await self._run_refetch(job)
+        else:
+            job.wanted[chunk.digest] = chunk
+            await job.done.wait()
+        if chunk.digest in job.results:
+            return job.results[chunk.digest]
+        raise ChunkRefetchError(
+            f"chunk {chunk.digest[:19]} of layer {layer[:19]} could not be fetched again: "
+            f"{job.error or 'not found in the blob'}"
+        )
+
+    async def _run_refetch(self, job: _Refetch) -> None:
+        try:
+            ref = await trio.to_thread.run_sync(self._source, job.layer)
+            index = await trio.to_thread.run_sync(self.load_index, job.layer)
+            desc = _LayerDesc(digest=index.digest, size=index.size, media_type=index.media_type)
+
+            def found(chunk: Chunk, data: bytes) -> None:
+                job.results[chunk.digest] = data
+
+            cutter = ChunkCutter(
+                wanted=list(job.wanted.values()), on_chunk=found, media_type=desc.media_type
+            )
+            async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
+                async for piece in stream:
+                    self.bytes_downloaded += len(piece)
+                    await trio.to_thread.run_sync(cutter.feed, piece)
+                    if cutter.done:
+                        break
+            if not cutter.done:
+                await trio.to_thread.run_sync(cutter.finish)
+        except Exception as exc:
+            job.error = exc
+            raise
+        except BaseException:
+            job.error = RuntimeError("the fetch was cancelled")
+            raise
+        finally:
+            job.done.set()
+
+
+@dataclass(frozen=True)
+class _LayerDesc:
+    digest: str
+    size: int
+    media_type: str
+
+
+@asynccontextmanager
+async def open_image_store(**kwargs: Any) -> AsyncIterator[ImageStore]:
+    yield ImageStore(**kwargs)
