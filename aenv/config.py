@@ -50,6 +50,8 @@ class Config:
     registry_mirrors: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Docker-style credentials file ({"auths": {host: {"auth": b64(user:pass)}}}).
     registry_auth_file: Path | None = None
+    # Longest silence from a registry before a request is retried (seconds).
+    registry_timeout_s: float = 60.0
 
     @property
     def state_dir(self) -> Path:
@@ -121,6 +123,8 @@ class Config:
             kw["registry_insecure"] = _csv(env["AENV_REGISTRY_INSECURE"])
         if env.get("AENV_REGISTRY_MIRRORS"):
             kw["registry_mirrors"] = parse_mirrors(env["AENV_REGISTRY_MIRRORS"])
+        if env.get("AENV_REGISTRY_TIMEOUT"):
+            kw["registry_timeout_s"] = float(env["AENV_REGISTRY_TIMEOUT"])
         if env.get("AENV_REGISTRY_AUTH_FILE"):
             kw["registry_auth_file"] = Path(env["AENV_REGISTRY_AUTH_FILE"])
         kw.update({k: v for k, v in overrides.items() if v is not None})

@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.registry import registry, registry_auth  # noqa: F401  (fixtures)
+
 REPO = Path(__file__).resolve().parent.parent
 # Overridable so two test runs on one machine never share network state.
 NET_PREFIX = os.environ.get("AENV_TEST_NET_PREFIX", "aenvs")
@@ -79,6 +81,8 @@ def start_node(
             # Sandboxes in tests reach nothing beyond this machine: only the
             # documentation range where network tests put their fake internet host.
             "AENV_EGRESS_CAP": "198.51.100.0/24",
+            # Registries in tests are on loopback: a silent one is a hung one.
+            "AENV_REGISTRY_TIMEOUT": "3",
         }
     )
     env.update(extra_env or {})
@@ -135,6 +139,23 @@ def leaks(home: Path, prefix: str = NET_PREFIX) -> list[str]:
     return found
 
 
+def link_home(built: Path, private: Path) -> None:
+    """Give `private` the built bundle and templates without copying their data.
+
+    The bundle is a symlink; templates are a hard-linked copy, so templates a
+    test node adds (pulled images) never land in the shared built home.
+    """
+    (private / "bundle").symlink_to(built / "bundle")
+    done = subprocess.run(
+        ["cp", "-al", str(built / "templates"), str(private / "templates")],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:  # another filesystem: share it read-mostly instead
+        shutil.rmtree(private / "templates", ignore_errors=True)
+        (private / "templates").symlink_to(built / "templates")
+
+
 requires_node = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("runsc") is None or built_home() is None,
     reason="needs root, runsc and AENV_TEST_HOME built by `make test`",
@@ -150,8 +171,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
     # clears its home's sandboxes at start, so two runs must never share one.
     # (outside pytest's basetemp, which another pytest run on the machine may rotate away)
     private = Path(tempfile.mkdtemp(prefix="aenv-test-node-"))
-    for part in ("bundle", "templates"):
-        (private / part).symlink_to(home / part)
+    link_home(home, private)
     log_path = private / "node.log"
     n = start_node(private, api_key="aenv_test_" + secrets.token_hex(8), log_path=log_path)
     old = {

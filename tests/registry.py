@@ -140,6 +140,8 @@ class LocalRegistry:
     ) -> None:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="aenv-test-registry-"))
+        if self._own_workdir:
+            atexit.register(shutil.rmtree, self.workdir, True)
         self.root = self.workdir / "storage"
         self.auth = auth
         self.username = username if auth else None
@@ -204,12 +206,17 @@ class LocalRegistry:
             ]
         self.config_path.write_text("\n".join(lines) + "\n")
 
-    def start(self, *, timeout: float = 20) -> LocalRegistry:
+    def start(self, *, timeout: float = 20, keep_port: bool = False) -> LocalRegistry:
+        """Start (or restart after `stop()`, same storage); `keep_port` reuses the last port."""
+        if self.alive():
+            raise RuntimeError("registry already running")
         if not Path(REGISTRY_BIN).exists():
             raise FileNotFoundError(f"{REGISTRY_BIN} missing (Debian package docker-registry)")
         last = ""
-        for _attempt in range(5):  # a picked free port can be taken before the bind
-            self.port = _free_port()
+        reuse = keep_port and self.port != 0
+        for _attempt in range(1 if reuse else 5):  # a free port can be taken before the bind
+            if not reuse:
+                self.port = _free_port()
             self._write_config()
             with self.log_path.open("ab") as log:
                 in_main = threading.current_thread() is threading.main_thread()
@@ -567,8 +574,8 @@ class Layer:
         try:
             with os.fdopen(fd, "wb", buffering=MiB) as out:
                 sink = _Sink(out, compression, lvl)
-                with tarfile.open(
-                    fileobj=sink,  # type: ignore[arg-type]
+                with tarfile.TarFile(
+                    fileobj=sink,
                     mode="w",
                     format=tarfile.PAX_FORMAT,
                     copybufsize=MiB,
@@ -642,11 +649,13 @@ class Layer:
 
 
 def _set_xattr(ti: tarfile.TarInfo, name: str, value: bytes) -> None:
+    headers = dict(ti.pax_headers)
     try:
-        ti.pax_headers["SCHILY.xattr." + name] = value.decode("utf-8")
+        headers["SCHILY.xattr." + name] = value.decode("utf-8")
     except UnicodeDecodeError:
-        ti.pax_headers["hdrcharset"] = "BINARY"
-        ti.pax_headers["SCHILY.xattr." + name] = value.decode("utf-8", "surrogateescape")
+        headers["hdrcharset"] = "BINARY"  # tarfile then writes values back byte for byte
+        headers["SCHILY.xattr." + name] = value.decode("utf-8", "surrogateescape")
+    ti.pax_headers = headers
 
 
 def _add_member(tar: tarfile.TarFile, m: Member, contents: dict[str, str]) -> None:
@@ -669,7 +678,7 @@ def _add_member(tar: tarfile.TarFile, m: Member, contents: dict[str, str]) -> No
             tar.addfile(ti, f)
     elif m.random_size:
         reader = _RandomReader(m.random_size, m.seed)
-        tar.addfile(ti, reader)  # type: ignore[arg-type]
+        tar.addfile(ti, reader)  # type: ignore[arg-type,unused-ignore]
         contents[m.path] = reader.sha.hexdigest()
     else:
         tar.addfile(ti, io.BytesIO(m.data))
@@ -754,6 +763,14 @@ def _with_digest(location: str, digest: str) -> str:
     return f"{location}{'&' if '?' in location else '?'}digest={digest}"
 
 
+def _pieces(f: BinaryIO, length: int) -> Iterator[bytes]:
+    # streamed request bodies: httpx requests/responses form reference cycles, so a
+    # bytes body would stay alive until the next GC pass
+    while length > 0 and (piece := f.read(min(MiB, length))):
+        length -= len(piece)
+        yield piece
+
+
 def _upload(
     client: httpx.Client,
     repo: str,
@@ -762,6 +779,7 @@ def _upload(
     data: bytes | None = None,
     path: Path | None = None,
 ) -> None:
+    """One blob: skipped if present, else monolithic, or PATCH chunks when big."""
     head = client.head(f"/v2/{repo}/blobs/{digest}")
     if head.status_code == 200:
         return
@@ -770,31 +788,40 @@ def _upload(
     r = client.post(f"/v2/{repo}/blobs/uploads/")
     r.raise_for_status()
     location = r.headers["location"]
-    size = len(data) if data is not None else path.stat().st_size  # type: ignore[union-attr]
-    if data is not None or size <= CHUNKED_UPLOAD_OVER:
-        body = data if data is not None else path.read_bytes()  # type: ignore[union-attr]
+    if data is not None:
         r = client.put(
             _with_digest(location, digest),
-            content=body,
+            content=data,
             headers={"content-type": "application/octet-stream"},
         )
         r.raise_for_status()
         return
     assert path is not None
-    offset = 0
+    size = path.stat().st_size
     with path.open("rb") as f:
-        while chunk := f.read(UPLOAD_CHUNK):
+        if size <= CHUNKED_UPLOAD_OVER:
+            r = client.put(
+                _with_digest(location, digest),
+                content=_pieces(f, size),
+                headers={"content-type": "application/octet-stream", "content-length": str(size)},
+            )
+            r.raise_for_status()
+            return
+        offset = 0
+        while offset < size:
+            n = min(UPLOAD_CHUNK, size - offset)
             r = client.patch(
                 location,
-                content=chunk,
+                content=_pieces(f, n),
                 headers={
                     "content-type": "application/octet-stream",
-                    "content-range": f"{offset}-{offset + len(chunk) - 1}",
+                    "content-length": str(n),
+                    "content-range": f"{offset}-{offset + n - 1}",
                 },
             )
             r.raise_for_status()
             location = r.headers["location"]
-            offset += len(chunk)
+            offset += n
     r = client.put(_with_digest(location, digest))
     r.raise_for_status()
 

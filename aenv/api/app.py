@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -29,6 +30,13 @@ from werkzeug.exceptions import HTTPException
 
 from aenv.api import views
 from aenv.api.auth import api_key_refusal
+from aenv.images.registry import (
+    ImageNotFound,
+    RegistryAuthError,
+    RegistryNotAllowed,
+    UnsupportedImage,
+)
+from aenv.images.store import PullError
 from aenv.kit.mailbox import ActorGone, Busy
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import (
@@ -47,8 +55,8 @@ from aenv.node.sandbox import (
 )
 from aenv.node.snapshots import CorruptSnapshot
 from aenv.proto import requests as rq
-from aenv.proto.ids import InvalidName, is_sandbox_id
-from aenv.storage.templates import TemplateNotFound
+from aenv.proto.ids import InvalidName, check_name, is_sandbox_id
+from aenv.storage.templates import TemplateConflict, TemplateNotFound
 
 log = logging.getLogger("aenv.api")
 
@@ -210,6 +218,8 @@ def create_app(node: Node) -> QuartTrio:
             raise ApiError(404, f"template {req.template!r} not found") from None
         except InvalidName as e:
             raise ApiError(400, str(e)) from None
+        except PullError as e:
+            raise _pull_error(e) from None
         except Busy:
             raise
         except Exception as e:
@@ -535,10 +545,77 @@ def create_app(node: Node) -> QuartTrio:
         await trio.to_thread.run_sync(node.templates.delete, t.template_id)
         return _no_content()
 
+    # -- images (aenv extension) ------------------------------------------------
+
+    @app.get("/images")
+    async def images_list() -> Response:
+        records = await trio.to_thread.run_sync(node.images.store.records)
+        return _json([r.to_api() for r in records])
+
+    @app.post("/images")
+    async def images_pull() -> Response:
+        """Pull an image; with `name`, also make it a template of that name."""
+        body = await _body()
+        if not isinstance(body, dict) or not isinstance(body.get("image"), str):
+            raise ApiError(400, 'body must be {"image": REFERENCE[, "name": NAME]}')
+        name = body.get("name")
+        sizes = {}
+        for key, top in (
+            ("cpuCount", node.limits.max_cpu),
+            ("memoryMB", node.limits.max_memory_mb),
+        ):
+            value = body.get(key)
+            if value is not None:
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= top:
+                    raise ApiError(400, f"{key} must be an integer from 1 to {top}")
+                sizes[key] = value
+        if name is not None:
+            if not isinstance(name, str):
+                raise ApiError(400, "name must be a string")
+            try:
+                check_name(name, "template name")
+            except InvalidName as e:
+                raise ApiError(400, str(e)) from None
+            with contextlib.suppress(TemplateNotFound):
+                await trio.to_thread.run_sync(node.templates.resolve, name)
+                raise ApiError(409, f"template {name!r} already exists")
+        try:
+            record = await node.images.pull(body["image"])
+        except PullError as e:
+            raise _pull_error(e) from None
+        out = record.to_api()
+        if name is not None:
+            try:
+                t = await trio.to_thread.run_sync(
+                    functools.partial(
+                        node.image_template,
+                        record,
+                        name,
+                        cpu_count=sizes.get("cpuCount"),
+                        memory_mb=sizes.get("memoryMB"),
+                    )
+                )
+            except TemplateConflict as e:
+                raise ApiError(409, str(e)) from None
+            out["template"] = t.to_api()
+        return _json(out, 201)
+
     from aenv.api import exec_ws  # the exec WebSocket (docs/exec-protocol.md)
 
     exec_ws.register(app, node, error_response)
     return app
+
+
+def _pull_error(exc: PullError) -> ApiError:
+    """The E2B error for a failed pull: what went wrong, at which registry."""
+    cause = exc.__cause__
+    if isinstance(cause, ImageNotFound):
+        return ApiError(404, str(exc))
+    if isinstance(cause, RegistryAuthError | RegistryNotAllowed):
+        return ApiError(403, str(exc))
+    if isinstance(cause, UnsupportedImage) or cause is None:
+        return ApiError(400, str(exc))
+    return ApiError(502, str(exc))
 
 
 def _dir_size(path: Path) -> int:

@@ -82,9 +82,16 @@ class Client:
         what: str,
         json_body: Any = None,
         params: dict[str, str] | None = None,
+        timeout: float | None = None,
     ) -> httpx.Response:
         """Send one API request; return the response if it succeeded, else raise."""
-        req = self.http.build_request(method, path, json=json_body, params=params)
+        req = self.http.build_request(
+            method,
+            path,
+            json=json_body,
+            params=params,
+            timeout=httpx.Timeout(timeout, connect=10.0) if timeout else httpx.USE_CLIENT_DEFAULT,
+        )
         resp = self._send(req)
         if resp.status_code >= 400:
             raise self._error(resp, method, path, what)
@@ -275,8 +282,9 @@ class Client:
             body["cpuCount"] = cpu
         if memory is not None:
             body["memoryMB"] = memory
-        resp = self.request("POST", "/v3/templates", what="pull", json_body=body)
-        return self._json(resp) if resp.content else None
+        # A first pull downloads and converts every layer: allow it time.
+        resp = self.request("POST", "/images", what=f"pull {image}", json_body=body, timeout=3600)
+        return self._json(resp)
 
     # -- files through the envd proxy -------------------------------------------------
 

@@ -177,16 +177,32 @@ class ChunkCache:
 
     # -- storing -----------------------------------------------------------
 
-    def put(self, digest: str, data: bytes) -> None:
-        """Verify and store one chunk (no-op if present); blocking, thread-safe."""
+    def put(self, digest: str, data: bytes, *, verified: bool = False) -> bool:
+        """Store one chunk; True if it was not cached before. Blocking, thread-safe.
+
+        The bytes are hashed against `digest` unless the caller just did
+        (`verified`, as the layer converter does for every chunk it cuts).
+        """
         hexd = _hex_of(digest)
         with self._lock:
             if hexd in self._lru:
                 self._lru.move_to_end(hexd)
-                return
-        if hashlib.sha256(data).hexdigest() != hexd:
+                return False
+        if not verified and hashlib.sha256(data).hexdigest() != hexd:
             raise ValueError(f"content does not match {digest}")
         self._store(hexd, data)
+        return True
+
+    def discard(self, digests: Iterable[str]) -> None:
+        """Drop these chunks now unless pinned (what a failed conversion stored)."""
+        victims = []
+        with self._lock:
+            for hexd in (_hex_of(d) for d in digests):
+                entry = None if hexd in self._pins else self._lru.pop(hexd, None)
+                if entry is not None:
+                    self._bytes -= entry.size
+                    victims.append(hexd)
+        self._unlink(victims)
 
     def _path(self, hexd: str) -> Path:
         return self.root / hexd[:2] / hexd
@@ -318,6 +334,7 @@ class ChunkCache:
             if touch:
                 entry.touched = now
             damaged = entry.size != chunk_size
+        data: bytes | None = b""
         try:
             if not damaged:
                 if size <= INLINE_READ_MAX:
@@ -331,7 +348,9 @@ class ChunkCache:
             with self._lock:
                 self._unpin_hex(hexd)
         if damaged:
-            log.warning("chunk sha256:%s missing or damaged on disk; fetching it again", hexd)
+            # A file gone is normal (evicted by another thread meanwhile); a short one is not.
+            level = logging.DEBUG if data is None else logging.WARNING
+            log.log(level, "chunk sha256:%s missing or damaged on disk; fetching it", hexd)
             self._forget(hexd)
             with self._lock:
                 self._misses += 1

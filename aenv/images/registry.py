@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -183,7 +183,7 @@ async def _read_limited(resp: httpx.Response, limit: int, what: str) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RegistryError(f"{what}: {declared} bytes is over the {limit}-byte limit")
     buf = bytearray()
-    async for piece in resp.aiter_raw():
+    async for piece in resp.aiter_bytes():  # decoded: a CDN may gzip JSON documents
         buf += piece
         if len(buf) > limit:
             raise RegistryError(f"{what}: over the {limit}-byte limit")
@@ -276,7 +276,7 @@ class RegistryClient:
             layers=manifest.layers,
         )
 
-    async def blob_stream(self, ref: ImageRef, desc: BlobInfo) -> AsyncIterator[bytes]:
+    async def blob_stream(self, ref: ImageRef, desc: BlobInfo) -> AsyncGenerator[bytes, None]:
         """Yield blob `desc` of `ref`'s repository, raw, resuming after dropped connections.
 
         Raises `DigestMismatch` instead of yielding the last piece if the content is

@@ -13,7 +13,8 @@ import base64
 import binascii
 import json
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from aenv.images.mount import ImageMount, main_loop_fetcher, open_image_mount
 from aenv.images.registry import RegistryConfig, open_registry_client
 from aenv.images.store import ImageRecord, ImageStore
 
-__all__ = ["Images", "load_credentials", "open_images"]
+__all__ = ["CredentialsFile", "Images", "load_credentials", "open_images"]
 
 log = logging.getLogger("aenv.images")
 
@@ -65,6 +66,35 @@ def load_credentials(path: Path) -> dict[str, tuple[str, str]]:
         raise ValueError(f"registry credentials in {path} are malformed: {exc}") from None
 
 
+class CredentialsFile(Mapping[str, tuple[str, str]]):
+    """`load_credentials(path)`, read again whenever the file changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._creds: dict[str, tuple[str, str]] = {}
+
+    def _current(self) -> dict[str, tuple[str, str]]:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = (0, 0)
+        if stamp != self._stamp:
+            self._creds = load_credentials(self.path)
+            self._stamp = stamp
+        return self._creds
+
+    def __getitem__(self, key: str) -> tuple[str, str]:
+        return self._current()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
+
+
 class Images:
     def __init__(self, *, store: ImageStore, mount: ImageMount) -> None:
         self.store = store
@@ -100,7 +130,9 @@ class Images:
 @asynccontextmanager
 async def open_images(config: Config) -> AsyncIterator[Images]:
     registry_config = RegistryConfig(
-        credentials=load_credentials(config.auth_file),
+        credentials=CredentialsFile(config.auth_file),
+        read_timeout=config.registry_timeout_s,
+        connect_timeout=min(10.0, config.registry_timeout_s),
         mirrors=config.registry_mirrors,
         allowlist=config.registry_allow,
         insecure=config.registry_insecure,

@@ -173,6 +173,24 @@ class ImageRecord:
         }
 
 
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error to report from a failed group of layer conversions.
+
+    The first pull error if there is one (the others are usually the same
+    cause, or cancellations it caused), else the group as it is.
+    """
+    for exc in _leaves(group):
+        if isinstance(exc, RegistryError | ConversionError):
+            return exc
+    return group
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
 def _hex(digest: str) -> str:
     algo, _, hexpart = digest.partition(":")
     if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
@@ -292,9 +310,12 @@ class ImageStore:
             async def one(i: int) -> None:
                 indexes[i] = await self._layer(ref, resolved.layers[i])
 
-            async with trio.open_nursery() as nursery:
-                for i in range(len(resolved.layers)):
-                    nursery.start_soon(one, i)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(resolved.layers)):
+                        nursery.start_soon(one, i)
+            except BaseExceptionGroup as group:
+                raise _first_error(group) from None
         except (RegistryError, ConversionError) as exc:
             raise PullError(f"pulling {ref}: {exc}") from exc
         done = [ix for ix in indexes if ix is not None]
@@ -366,26 +387,42 @@ class ImageStore:
                 pass
             except layerindex.BadIndex as exc:
                 log.warning("layer index %s is corrupt (%s); converting again", path.name, exc)
+            stored: list[str] = []  # chunks new to the cache, dropped if this fails
+
+            def put_chunk(digest: str, data: bytes) -> None:
+                if self.cache.put(digest, data, verified=True):
+                    stored.append(digest)
+
             converter = LayerConverter(
                 digest=desc.digest,
                 size=desc.size,
                 media_type=desc.media_type,
-                put_chunk=self.cache.put,
+                put_chunk=put_chunk,
             )
-            pending = bytearray()
-            async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
-                async for piece in stream:
-                    self.bytes_downloaded += len(piece)
-                    pending += piece
-                    if len(pending) >= _FEED_BYTES:
-                        data, pending = bytes(pending), bytearray()
-                        await trio.to_thread.run_sync(converter.feed, data, limiter=self._limiter)
-            if pending:
-                await trio.to_thread.run_sync(converter.feed, bytes(pending), limiter=self._limiter)
-            index = await trio.to_thread.run_sync(converter.finish, limiter=self._limiter)
-            raw = layerindex.dumps(index)
-            await trio.to_thread.run_sync(_write_atomic, path, raw)
-            return index
+            try:
+                return await self._convert(ref, desc, converter, path)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.cache.discard, stored)
+                raise
+
+    async def _convert(
+        self, ref: ImageRef, desc: Any, converter: LayerConverter, path: Path
+    ) -> LayerIndex:
+        pending = bytearray()
+        async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
+            async for piece in stream:
+                self.bytes_downloaded += len(piece)
+                pending += piece
+                if len(pending) >= _FEED_BYTES:
+                    data, pending = bytes(pending), bytearray()
+                    await trio.to_thread.run_sync(converter.feed, data, limiter=self._limiter)
+        if pending:
+            await trio.to_thread.run_sync(converter.feed, bytes(pending), limiter=self._limiter)
+        index = await trio.to_thread.run_sync(converter.finish, limiter=self._limiter)
+        raw = layerindex.dumps(index)
+        await trio.to_thread.run_sync(_write_atomic, path, raw)
+        return index
 
     # -- trees ---------------------------------------------------------------
 

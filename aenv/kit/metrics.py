@@ -45,8 +45,14 @@ class Registry:
     def __init__(self) -> None:
         self._metrics: dict[str, Metric] = {}
 
-    def counter(self, name: str, help: str) -> Metric:
-        return self._add(Metric(name, help, "counter"))
+    def counter(
+        self,
+        name: str,
+        help: str,
+        callback: Callable[[], Iterable[tuple[Labels, float]]] | None = None,
+    ) -> Metric:
+        """A counter: incremented with `inc`, or read from `callback` at render time."""
+        return self._add(Metric(name, help, "counter", callback=callback))
 
     def gauge(
         self,

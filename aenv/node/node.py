@@ -10,6 +10,7 @@ synchronous code, so trio's cooperative scheduling keeps it consistent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -38,7 +39,13 @@ from aenv.runtimes.netns import HostNetwork, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import reap_stale_mounts
-from aenv.storage.templates import Template, TemplateConflict, TemplateNotFound, TemplateStore
+from aenv.storage.templates import (
+    Template,
+    TemplateConflict,
+    TemplateNotFound,
+    TemplateStore,
+    new_template_id,
+)
 
 log = logging.getLogger("aenv.node")
 
@@ -122,6 +129,41 @@ class Node:
         self.m_proxied = self.metrics.counter(
             "aenv_proxy_requests_total", "Requests proxied into sandboxes, by kind"
         )
+        self._image_metrics()
+
+    def _image_metrics(self) -> None:
+        def cache(field: str) -> Any:
+            return lambda: [((), float(getattr(self.images.cache.statistics(), field)))]
+
+        def fs(field: str) -> Any:
+            return lambda: [((), float(getattr(self.images.mount.fs.statistics(), field)))]
+
+        m = self.metrics
+        m.gauge("aenv_image_cache_bytes", "Bytes in the local chunk cache", cache("bytes"))
+        m.gauge("aenv_image_cache_max_bytes", "Limit of the chunk cache", cache("max_bytes"))
+        m.gauge("aenv_image_cache_chunks", "Chunks in the local chunk cache", cache("chunks"))
+        m.counter("aenv_image_cache_hits_total", "Chunk reads served by the cache", cache("hits"))
+        m.counter("aenv_image_cache_misses_total", "Chunk reads that missed", cache("misses"))
+        m.counter(
+            "aenv_image_cache_fetched_bytes_total",
+            "Bytes of chunks fetched again after a miss",
+            cache("bytes_fetched"),
+        )
+        m.counter("aenv_image_cache_evictions_total", "Chunks evicted", cache("evictions"))
+        m.counter("aenv_image_cache_evicted_bytes_total", "Bytes evicted", cache("bytes_evicted"))
+        m.counter(
+            "aenv_image_fs_read_bytes_total",
+            "File content bytes sandboxes read from image trees",
+            fs("bytes_served"),
+        )
+        m.counter(
+            "aenv_image_fs_read_errors_total", "Image reads that failed (EIO)", fs("read_errors")
+        )
+        m.counter(
+            "aenv_image_registry_bytes_total",
+            "Blob bytes downloaded from registries (pulls and re-fetches)",
+            lambda: [((), float(self.images.store.bytes_downloaded))],
+        )
 
     def _state_counts(self) -> list[tuple[tuple[tuple[str, str], ...], float]]:
         counts: dict[str, int] = {}
@@ -181,13 +223,24 @@ class Node:
             await self.images.prepare(template.image_key)
         return template
 
-    def image_template(self, record: ImageRecord, aliases: tuple[str, ...] = ()) -> Template:
-        """The template of pulled image `record` without aliases (blocking)."""
-        template_id = f"img-{record.key[:20]}"
-        try:
-            return self.templates.resolve(template_id)
-        except TemplateNotFound:
-            pass
+    def image_template(
+        self,
+        record: ImageRecord,
+        name: str | None = None,
+        *,
+        cpu_count: int | None = None,
+        memory_mb: int | None = None,
+    ) -> Template:
+        """A template for pulled image `record` (blocking).
+
+        Without `name`, the image's own template (`img-` and its digest),
+        made on first use; with `name`, a new template of that name.
+        """
+        template_id = new_template_id() if name else f"img-{record.key[:20]}"
+        aliases = (name,) if name else ()
+        if not name:
+            with contextlib.suppress(TemplateNotFound):
+                return self.templates.resolve(template_id)
         try:
             return self.templates.add_image(
                 template_id=template_id,
@@ -198,11 +251,13 @@ class Node:
                 env=record.config.env,
                 workdir=record.config.workdir,
                 user=record.config.user,
-                cpu_count=self.config.default_cpu,
-                memory_mb=self.config.default_memory_mb,
+                cpu_count=cpu_count or self.config.default_cpu,
+                memory_mb=memory_mb or self.config.default_memory_mb,
             )
-        except TemplateConflict:  # a concurrent create made it first
-            return self.templates.resolve(template_id)
+        except TemplateConflict:
+            if name:
+                raise
+            return self.templates.resolve(template_id)  # a concurrent create made it first
 
     async def create(self, req: NewSandbox) -> SandboxActor:
         template = await self.resolve_template(req.template)

@@ -18,7 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import NodeProc, built_home, leaks, requires_node, start_node, stop_node
+from tests.conftest import (
+    NodeProc,
+    built_home,
+    leaks,
+    link_home,
+    requires_node,
+    start_node,
+    stop_node,
+)
 
 pytestmark = [requires_node, pytest.mark.runsc]
 PREFIX = "aenvr"
@@ -35,8 +43,7 @@ def home(tmp_path: Path) -> Iterator[Path]:
     assert src is not None
     h = tmp_path / "home"
     h.mkdir()
-    (h / "bundle").symlink_to(src / "bundle")
-    (h / "templates").symlink_to(src / "templates")
+    link_home(src, h)
     yield h
 
 
