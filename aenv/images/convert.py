@@ -415,6 +415,9 @@ class LayerConverter:
         if kind in (Kind.WHITEOUT, Kind.OPAQUE):
             self._entries.append(Entry(path=path, kind=kind))
             return
+        if kind is Kind.HARDLINK:  # the target's inode carries all the metadata
+            self._entries.append(Entry(path=path, kind=kind, link=self._link))
+            return
         self._entries.append(
             Entry(
                 path=path,

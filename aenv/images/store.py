@@ -18,6 +18,7 @@ blob where they can. Layer indexes are small metadata and are never evicted.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -52,7 +53,10 @@ log = logging.getLogger("aenv.images")
 
 RECORD_VERSION = 1
 _FEED_BYTES = 1 << 20
-_BATCH_WINDOW_S = 0.005  # misses on one layer this close together share a pass  # hand the converter at least this much per thread hop
+_BATCH_WINDOW_S = 0.005
+_READ_AHEAD_BYTES = (
+    32 << 20
+)  # cut this much more of a layer in a re-fetch pass  # misses on one layer this close together share a pass  # hand the converter at least this much per thread hop
 
 
 class PullError(Exception):
@@ -249,6 +253,7 @@ class ImageStore:
         self._layer_locks: dict[str, trio.Lock] = {}
         self._pull_locks: dict[str, trio.Lock] = {}
         self._refetches: dict[str, _Refetch] = {}
+        self._chunk_lists: dict[str, tuple[LayerIndex, list[Chunk]]] = {}
         self.bytes_downloaded = 0
 
     # -- records -------------------------------------------------------------
@@ -477,17 +482,53 @@ class ImageStore:
             f"{job.error or 'not found in the blob'}"
         )
 
+    def _layer_chunks(self, layer: str) -> tuple[LayerIndex, list[Chunk]]:
+        """A layer's index and its distinct chunks by stream offset (blocking; kept)."""
+        found = self._chunk_lists.get(layer)
+        if found is None:
+            index = self.load_index(layer)
+            seen: dict[str, Chunk] = {}
+            for entry in index.entries:
+                for c in entry.chunks:
+                    seen.setdefault(c.digest, c)
+            found = (index, sorted(seen.values(), key=lambda c: c.offset))
+            self._chunk_lists[layer] = found
+        return found
+
+    def _read_ahead(self, chunks: list[Chunk], wanted: dict[str, Chunk]) -> list[Chunk]:
+        """Chunks after the wanted ones, not cached, worth cutting in the same pass.
+
+        A pass over a compressed blob costs everything before the chunk, so a
+        reader going through a file would pay it once per chunk; cutting what
+        follows (up to a slice of the cache) makes sequential re-reads linear.
+        """
+        last = max(c.offset for c in wanted.values())
+        budget = min(_READ_AHEAD_BYTES, self.cache.max_bytes // 8)
+        extra: list[Chunk] = []
+        for c in chunks[bisect.bisect_right([x.offset for x in chunks], last) :]:
+            if c.digest in wanted or c.digest in self.cache:
+                continue
+            budget -= c.size
+            if budget < 0:
+                break
+            extra.append(c)
+        return extra
+
     async def _run_refetch(self, job: _Refetch) -> None:
         try:
             ref = await trio.to_thread.run_sync(self._source, job.layer)
-            index = await trio.to_thread.run_sync(self.load_index, job.layer)
+            index, chunks = await trio.to_thread.run_sync(self._layer_chunks, job.layer)
             desc = _LayerDesc(digest=index.digest, size=index.size, media_type=index.media_type)
+            ahead = await trio.to_thread.run_sync(self._read_ahead, chunks, dict(job.wanted))
 
-            def found(chunk: Chunk, data: bytes) -> None:
-                job.results[chunk.digest] = data
+            def found(chunk: Chunk, data: bytes) -> None:  # in a worker thread
+                if chunk.digest in job.wanted:
+                    job.results[chunk.digest] = data
+                else:
+                    self.cache.put(chunk.digest, data, verified=True)
 
             cutter = ChunkCutter(
-                wanted=list(job.wanted.values()), on_chunk=found, media_type=desc.media_type
+                wanted=[*job.wanted.values(), *ahead], on_chunk=found, media_type=desc.media_type
             )
             async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
                 async for piece in stream:

@@ -9,7 +9,8 @@ opaque marker hides the lower contents of its directory but keeps what the
 same layer adds; a hard link shares the inode of its target (resolved by
 path in the tree as merged so far), so `nlink` counts every name. Missing
 parent directories are created (mode 0755, root-owned) as the spec allows,
-replacing a non-directory that stood in their place. Within one layer,
+replacing a non-directory that stood in their place; the directories that hold
+a whiteout or an opaque marker exist in that layer too. Within one layer,
 whiteouts and opaque markers apply only to the layers below (they are applied
 first), so a layer may both white out `x` and add a new `x`, in any order.
 Every FILE inode records the digest of the layer that supplied its content.
@@ -248,7 +249,11 @@ class ImageTree:
         for layer in layers:
             b.remove_lower(layer)
             for e in layer.entries:
-                if e.kind not in (Kind.WHITEOUT, Kind.OPAQUE):
+                if e.kind is Kind.WHITEOUT:  # its directory exists in this layer
+                    b.parent_dir(_names(e.path))
+                elif e.kind is Kind.OPAQUE:
+                    b.parent_dir([*_names(e.path), ""])
+                else:
                     b.add(layer, e)
         for node in b.inodes.values():
             if node.children is not None:

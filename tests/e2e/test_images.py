@@ -11,7 +11,10 @@ from __future__ import annotations
 import base64
 import json
 import re
+import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +25,15 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
-from tests.conftest import NodeProc, requires_node
+from tests.conftest import (
+    NodeProc,
+    built_home,
+    leaks,
+    link_home,
+    requires_node,
+    start_node,
+    stop_node,
+)
 from tests.registry import (
     Layer,
     LocalRegistry,
@@ -34,6 +45,7 @@ from tests.registry import (
     file,
     hardlink,
     opaque,
+    push_big_image,
     push_busybox,
     push_image,
     reference_unpack,
@@ -43,6 +55,7 @@ from tests.registry import (
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
+PREFIX = "aenvc"  # the bounded-cache test's own node
 CONFIG = {
     "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "GREETING=hello from the image"],
     "WorkingDir": "/data",
@@ -280,3 +293,108 @@ def test_registry_credentials_are_read_when_they_change(
             s.kill()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_first_command_reads_a_small_fraction_of_a_big_image(
+    node: NodeProc, registry: LocalRegistry
+) -> None:
+    img = push_big_image(
+        registry,
+        "big",
+        "1",
+        total_mb=320,
+        files=16,
+        layers=2,
+        compression="zstd",
+        base=[busybox_layer()],
+    )
+    with api(node) as c:
+        r = c.post("/images", json={"image": img.ref})
+        assert r.status_code == 201, r.text
+        content = r.json()["contentBytes"]
+    assert content >= 320 * 2**20
+    read0 = metric(node, "aenv_image_fs_read_bytes_total")
+    s = Sandbox.create(img.ref, timeout=120)
+    try:
+        assert s.commands.run("true").exit_code == 0
+        read1 = metric(node, "aenv_image_fs_read_bytes_total")
+        fraction = (read1 - read0) / content
+        print(f"\nlazy start: {read1 - read0} of {content} image bytes read ({fraction:.2%})")
+        assert fraction < 0.05
+        # reading one file reads that file's chunks, not the image
+        path, digest = sorted(img.contents.items())[3]
+        size = int(s.commands.run(f"stat -c %s /{path}").stdout)
+        assert s.commands.run(f"sha256sum /{path}").stdout.split()[0] == digest
+        read2 = metric(node, "aenv_image_fs_read_bytes_total")
+        print(f"one {size}-byte file: {read2 - read1} bytes read")
+        assert size <= read2 - read1 <= size + 2**20
+    finally:
+        s.kill()
+
+
+def test_a_bounded_cache_serves_images_far_larger_than_itself(
+    registry: LocalRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 MiB of cache, four 96 MiB images, sandboxes started one after another.
+
+    The first sandbox keeps running while the others push its chunks out;
+    it still reads every one of its files correctly (re-cut from the registry).
+    """
+    home = built_home()
+    assert home is not None
+    limit = 64 * 2**20
+    images = [
+        push_big_image(
+            registry,
+            "fill",
+            f"v{i}",
+            total_mb=96,
+            files=6,
+            layers=2,
+            compression="none",
+            seed=100 + i,
+            base=[busybox_layer()],
+        )
+        for i in range(4)
+    ]
+    private = Path(tempfile.mkdtemp(prefix="aenv-test-cache-"))
+    link_home(home, private)
+    n = start_node(
+        private,
+        api_key="k" + secrets.token_hex(8),
+        log_path=private / "node.log",
+        extra_env={
+            "AENV_CACHE_MAX_BYTES": str(limit),
+            "AENV_NET_PREFIX": PREFIX,
+            "AENV_SLOT_CIDR": "10.234.0.0/16",
+        },
+    )
+    for var, value in (
+        ("E2B_API_URL", n.url),
+        ("E2B_SANDBOX_URL", n.url),
+        ("E2B_API_KEY", n.api_key),
+    ):
+        monkeypatch.setenv(var, value)
+    made: list[Sandbox] = []
+    try:
+        for img in images:
+            s = Sandbox.create(img.ref, timeout=300)
+            made.append(s)
+            path, digest = next(iter(sorted(img.contents.items())))
+            assert s.commands.run(f"sha256sum /{path}").stdout.split()[0] == digest
+            assert metric(n, "aenv_image_cache_bytes") <= limit + 2**20
+        first, img = made[0], images[0]
+        for path, digest in sorted(img.contents.items()):
+            got = first.commands.run(f"sha256sum /{path}", timeout=120).stdout.split()[0]
+            assert got == digest, path
+        assert metric(n, "aenv_image_cache_bytes") <= limit + 2**20
+        assert metric(n, "aenv_image_cache_evictions_total") > 0
+        assert metric(n, "aenv_image_cache_fetched_bytes_total") > 0
+        assert metric(n, "aenv_image_fs_read_errors_total") == 0
+    finally:
+        for s in made:
+            s.kill()
+        assert stop_node(n) == 0
+        left = leaks(private, PREFIX)
+        shutil.rmtree(private, ignore_errors=True)
+        assert not left, left
