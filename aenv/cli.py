@@ -162,7 +162,9 @@ def _shell_request() -> ExecRequest:
     envs = {"TERM": os.environ.get("TERM") or "xterm-256color"}
     if os.environ.get("LANG"):
         envs["LANG"] = os.environ["LANG"]
-    return ExecRequest("/bin/bash", ["-i", "-l"], envs=envs, pty=True, stdin=True)
+    # bash where the image has it (every E2B template does), else its sh
+    login = "command -v bash >/dev/null 2>&1 && exec bash -i -l; exec sh -i -l"
+    return ExecRequest("/bin/sh", ["-c", login], envs=envs, pty=True, stdin=True)
 
 
 def _note(message: str) -> None:
@@ -336,7 +338,9 @@ def exec_(
         ),
     ] = False,
     cwd: Annotated[str | None, Parameter(help="working directory in the sandbox")] = None,
-    user: Annotated[str, Parameter(help="user to run as")] = "user",
+    user: Annotated[
+        str | None, Parameter(help="user to run as (default: the template's, e.g. user)")
+    ] = None,
     env: Annotated[
         list[str] | None, Parameter(help="KEY=VALUE environment, repeatable", negative="")
     ] = None,

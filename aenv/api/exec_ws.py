@@ -90,7 +90,7 @@ class StartSpec:
     args: list[str]
     envs: dict[str, str]
     cwd: str | None
-    user: str
+    user: str | None  # None: the sandbox's default user
     pty: tuple[int, int] | None
     stdin: bool
     keepalive_s: float
@@ -141,8 +141,8 @@ def parse_start(raw: str | bytes) -> StartSpec:
     cwd = msg.get("cwd")
     if cwd is not None and not isinstance(cwd, str):
         raise ProtocolError("start.cwd must be a string")
-    user = msg.get("user", "user")
-    if not isinstance(user, str) or not user or ":" in user:
+    user = msg.get("user")  # None: the sandbox's default user (its template's)
+    if user is not None and (not isinstance(user, str) or not user or ":" in user):
         raise ProtocolError("start.user must be a user name")
     pty_raw = msg.get("pty")
     pty = None if pty_raw is None else _size(pty_raw, "start.pty")
@@ -180,15 +180,17 @@ def exit_message(end: Message) -> dict[str, Any]:
 class EnvdProcessClient:
     """Connect calls to one sandbox's envd on behalf of one user."""
 
-    def __init__(self, http: httpx.AsyncClient, actor: SandboxActor, user: str) -> None:
+    def __init__(self, http: httpx.AsyncClient, actor: SandboxActor, user: str | None) -> None:
         assert actor.sandbox_ip is not None
         self.http = http
         self.base = f"http://{actor.sandbox_ip}:{ENVD_PORT}"
         self.headers = {
             "x-access-token": actor.envd_access_token,
-            "authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode(),
             "connect-protocol-version": "1",
         }
+        if user is not None:
+            basic = base64.b64encode(f"{user}:".encode()).decode()
+            self.headers["authorization"] = f"Basic {basic}"
 
     async def unary(self, method: str, mtype: MessageType, msg: Message) -> None:
         """Call `process.Process/<method>`; raise ConnectError on failure."""

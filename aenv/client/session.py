@@ -54,7 +54,7 @@ class ExecRequest:
     args: list[str] = field(default_factory=list)
     envs: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
-    user: str = "user"
+    user: str | None = None  # None: the sandbox's default user
     pty: bool = False
     stdin: bool = True
 
@@ -64,10 +64,11 @@ class ExecRequest:
             "cmd": self.cmd,
             "args": self.args,
             "envs": self.envs,
-            "user": self.user,
             "stdin": self.stdin,
             "keepalive": keepalive,
         }
+        if self.user is not None:
+            msg["user"] = self.user
         if self.cwd is not None:
             msg["cwd"] = self.cwd
         if self.pty:

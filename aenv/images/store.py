@@ -22,6 +22,7 @@ import bisect
 import json
 import logging
 import os
+import platform as platform_module
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -177,6 +178,15 @@ class ImageRecord:
         }
 
 
+_ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+
+
+def host_platform() -> str:
+    """The OCI platform of this machine ("linux/amd64", "linux/arm64")."""
+    machine = platform_module.machine().lower()
+    return f"linux/{_ARCHES.get(machine, machine)}"
+
+
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The error to report from a failed group of layer conversions.
 
@@ -288,7 +298,7 @@ class ImageStore:
     # -- pulling -------------------------------------------------------------
 
     async def pull(
-        self, reference: str, *, platform: str = "linux/amd64", missing_only: bool = False
+        self, reference: str, *, platform: str | None = None, missing_only: bool = False
     ) -> ImageRecord:
         """Resolve `reference`, convert its new layers and record it; returns the record.
 
@@ -303,7 +313,7 @@ class ImageStore:
             return found
         lock = self._pull_locks.setdefault(str(ref), trio.Lock())
         async with lock:
-            return await self._pull(ref, platform)
+            return await self._pull(ref, platform or host_platform())
 
     async def _pull(self, ref: ImageRef, platform: str) -> ImageRecord:
         os_name, _, arch = platform.partition("/")

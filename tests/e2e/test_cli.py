@@ -29,6 +29,7 @@ import pexpect
 import pytest
 
 from tests.conftest import NodeProc, free_port, requires_node
+from tests.registry import LocalRegistry, push_busybox
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -176,11 +177,20 @@ def test_snapshots(env: dict[str, str], sid: str) -> None:
     one_line_error(aenv(env, "snapshot", "delete", snap), 66)
 
 
-def test_operations_the_node_lacks_fail_clearly(env: dict[str, str], sid: str) -> None:
-    for args in (["pull", "docker.io/library/alpine:3", "--name", "alpine"],):
-        line = one_line_error(aenv(env, *args), 1)
-        assert "not supported" in line or "does not support" in line, (args, line)
-    assert sid in listed(env)
+def test_pull_makes_a_template_to_start_from(env: dict[str, str], registry: LocalRegistry) -> None:
+    img = push_busybox(registry, "cli-pull", "1", config={"Env": ["FROM=cli"]})
+    out = ok(env, "pull", img.ref, "--name", "cli-busybox", "--memory", "256")
+    assert "cli-busybox" in out
+    started = ok(env, "start", "cli-busybox", "--detach").strip()
+    try:
+        assert ok(env, "exec", started, "--", "sh", "-c", "echo $FROM") == "cli\n"
+    finally:
+        ok(env, "rm", started)
+    ok(env, "template", "rm", "cli-busybox")
+    line = one_line_error(aenv(env, "pull", f"{registry.host}/no-such-image:1", "--name", "x"), 66)
+    assert "no-such-image" in line
+    line = one_line_error(aenv(env, "pull", "Not//A Reference", "--name", "y"), 1)
+    assert "reference" in line.lower()
 
 
 def test_template_delete_unknown(env: dict[str, str]) -> None:

@@ -13,6 +13,7 @@ import json
 import re
 import secrets
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -48,6 +49,8 @@ from tests.registry import (
     push_big_image,
     push_busybox,
     push_image,
+    push_index,
+    push_rootfs_dir,
     reference_unpack,
     symlink,
     whiteout,
@@ -395,6 +398,114 @@ def test_a_bounded_cache_serves_images_far_larger_than_itself(
         for s in made:
             s.kill()
         assert stop_node(n) == 0
+        left = leaks(private, PREFIX)
+        shutil.rmtree(private, ignore_errors=True)
+        assert not left, left
+
+
+def test_a_debian_image_and_a_multi_arch_index(
+    node: NodeProc, registry: LocalRegistry, tmp_path: Path
+) -> None:
+    home = built_home()
+    assert home is not None
+    debian = push_rootfs_dir(
+        registry,
+        "debian",
+        "12",
+        home / "templates" / "base" / "rootfs",
+        compression="none",
+        config={"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
+    )
+    s = Sandbox.create(debian.ref, timeout=120)
+    try:
+        r = s.commands.run("cat /etc/debian_version; id -un; dpkg -s coreutils | head -2")
+        assert r.stdout.splitlines()[1:] == [
+            "root",
+            "Package: coreutils",
+            "Status: install ok installed",
+        ]
+        assert r.stdout.split(".")[0] == "12"
+    finally:
+        s.kill()
+    with api(node) as c:
+        key = {i["image"]: i for i in c.get("/images").json()}[debian.ref]["digest"][7:]
+    reference = reference_unpack(registry, debian.ref, tmp_path / "ref")
+    assert compare_trees(reference, node.home / "run" / "images" / key) == []
+
+    arches = {
+        "linux/amd64": push_busybox(
+            registry, "multi", None, extra_layers=[Layer.build([file("arch", b"amd64\n")])]
+        ),
+        "linux/arm64/v8": push_busybox(
+            registry,
+            "multi",
+            None,
+            arch="arm64",
+            variant="v8",
+            extra_layers=[Layer.build([file("arch", b"arm64\n")])],
+        ),
+    }
+    index = push_index(registry, "multi", "latest", arches)
+    s = Sandbox.create(index.ref, timeout=60)
+    try:
+        assert s.files.read("/arch") == "amd64\n"  # this node's platform
+    finally:
+        s.kill()
+
+
+def test_a_node_killed_mid_pull_recovers(
+    registry: LocalRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL while a layer converts: after a restart nothing half-pulled is listed,
+    the dead image mount is cleared, and the same pull then succeeds."""
+    home = built_home()
+    assert home is not None
+    img = push_big_image(
+        registry,
+        "killed",
+        "1",
+        total_mb=160,
+        files=4,
+        layers=2,
+        compression="gzip",
+        base=[busybox_layer()],
+    )
+    private = Path(tempfile.mkdtemp(prefix="aenv-test-pullkill-"))
+    link_home(home, private)
+    extra = {"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": "10.234.0.0/16"}
+    key = "k" + secrets.token_hex(8)
+    n = start_node(private, api_key=key, log_path=private / "node.log", extra_env=extra)
+    try:
+        pulling = threading.Thread(
+            target=lambda: httpx.post(
+                f"{n.url}/images", json={"image": img.ref}, headers={"X-API-Key": key}, timeout=60
+            ),
+            daemon=True,
+        )
+        pulling.start()
+        deadline = time.monotonic() + 30
+        while metric(n, "aenv_image_registry_bytes_total") < 8 * 2**20:
+            assert time.monotonic() < deadline, "the pull never started"
+            time.sleep(0.05)
+        stop_node(n, signal.SIGKILL)
+        pulling.join(10)
+        n = start_node(private, api_key=key, log_path=private / "node.log", extra_env=extra)
+        with api(n) as c:
+            assert c.get("/images").json() == []
+            r = c.post("/images", json={"image": img.ref, "name": "after-kill"})
+            assert r.status_code == 201, r.text
+        monkeypatch.setenv("E2B_API_URL", n.url)
+        monkeypatch.setenv("E2B_SANDBOX_URL", n.url)
+        monkeypatch.setenv("E2B_API_KEY", key)
+        s = Sandbox.create("after-kill", timeout=60)
+        try:
+            path, digest = sorted(img.contents.items())[0]
+            assert s.commands.run(f"sha256sum /{path}").stdout.split()[0] == digest
+        finally:
+            s.kill()
+    finally:
+        if n.proc.poll() is None:
+            assert stop_node(n) == 0
         left = leaks(private, PREFIX)
         shutil.rmtree(private, ignore_errors=True)
         assert not left, left
