@@ -189,7 +189,7 @@ def test_pull_makes_a_template_to_start_from(env: dict[str, str], registry: Loca
     ok(env, "template", "rm", "cli-busybox")
     line = one_line_error(aenv(env, "pull", f"{registry.host}/no-such-image:1", "--name", "x"), 66)
     assert "no-such-image" in line
-    line = one_line_error(aenv(env, "pull", "Not//A Reference", "--name", "y"), 1)
+    line = one_line_error(aenv(env, "pull", "Not//A Reference", "--name", "y"), EXIT_USAGE)
     assert "reference" in line.lower()
 
 

@@ -9,6 +9,7 @@ fetched is read from its /metrics, never from its internals.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import secrets
@@ -418,12 +419,9 @@ def test_a_debian_image_and_a_multi_arch_index(
     )
     s = Sandbox.create(debian.ref, timeout=120)
     try:
-        r = s.commands.run("cat /etc/debian_version; id -un; dpkg -s coreutils | head -2")
-        assert r.stdout.splitlines()[1:] == [
-            "root",
-            "Package: coreutils",
-            "Status: install ok installed",
-        ]
+        r = s.commands.run("cat /etc/debian_version; id -un; dpkg -s coreutils")
+        assert r.stdout.splitlines()[1:3] == ["root", "Package: coreutils"]
+        assert "Status: install ok installed" in r.stdout
         assert r.stdout.split(".")[0] == "12"
     finally:
         s.kill()
@@ -476,12 +474,17 @@ def test_a_node_killed_mid_pull_recovers(
     key = "k" + secrets.token_hex(8)
     n = start_node(private, api_key=key, log_path=private / "node.log", extra_env=extra)
     try:
-        pulling = threading.Thread(
-            target=lambda: httpx.post(
-                f"{n.url}/images", json={"image": img.ref}, headers={"X-API-Key": key}, timeout=60
-            ),
-            daemon=True,
-        )
+
+        def pull() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the node dies under it
+                httpx.post(
+                    f"{n.url}/images",
+                    json={"image": img.ref},
+                    headers={"X-API-Key": key},
+                    timeout=60,
+                )
+
+        pulling = threading.Thread(target=pull, daemon=True)
         pulling.start()
         deadline = time.monotonic() + 30
         while metric(n, "aenv_image_registry_bytes_total") < 8 * 2**20:
