@@ -482,6 +482,7 @@ def create_app(node: Node) -> QuartTrio:
         doc = await node.snapshots.resolve(snapshot_id)
         if doc is None:
             raise ApiError(404, f"snapshot {snapshot_id!r} not found")
+        await _refuse_backing(doc["snapshotID"])
         await node.snapshots.delete(doc["snapshotID"])
         await node.collect_layers()
         return _no_content()
@@ -534,6 +535,7 @@ def create_app(node: Node) -> QuartTrio:
         # snapshots share the template namespace (the SDK deletes them here)
         snap = await node.snapshots.resolve(template_id)
         if snap is not None and snap["snapshotID"] == template_id:
+            await _refuse_backing(template_id)
             await node.snapshots.delete(template_id)
             await node.collect_layers()
             return _no_content()
@@ -543,7 +545,13 @@ def create_app(node: Node) -> QuartTrio:
         if any(a.template.template_id == t.template_id for a in node.list()):
             raise ApiError(409, f"template {template_id!r} is in use by running sandboxes")
         await trio.to_thread.run_sync(node.templates.delete, t.template_id)
+        await node.builds.forget_template(t)  # a built template's snapshot goes with it
         return _no_content()
+
+    async def _refuse_backing(snapshot_id: str) -> None:
+        t = await node.builds.backing(snapshot_id)
+        if t is not None:
+            raise ApiError(409, f"snapshot {snapshot_id!r} is template {t.template_id!r}'s build")
 
     # -- images (aenv extension) ------------------------------------------------
 
@@ -600,9 +608,10 @@ def create_app(node: Node) -> QuartTrio:
             out["template"] = t.to_api()
         return _json(out, 201)
 
-    from aenv.api import exec_ws  # the exec WebSocket (docs/exec-protocol.md)
+    from aenv.api import builds, exec_ws  # the exec WebSocket (docs/exec-protocol.md)
 
     exec_ws.register(app, node, error_response)
+    builds.register(app, node)  # template builds (Template.build)
     return app
 
 

@@ -11,6 +11,7 @@ synchronous code, so trio's cooperative scheduling keeps it consistent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -27,8 +28,9 @@ from aenv.images.service import Images, open_images
 from aenv.images.store import ImageRecord
 from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
+from aenv.node.builds import Builds
 from aenv.node.sandbox import Fork, SandboxActor, Snapshot
-from aenv.node.snapshots import Snapshots
+from aenv.node.snapshots import CorruptSnapshot, Snapshots
 from aenv.proto import ids
 from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
@@ -110,6 +112,7 @@ class Node:
         )
         self._nursery = nursery
         self._sandboxes: dict[str, SandboxActor] = {}
+        self.builds = Builds(self, nursery)  # template builds (aenv.node.builds)
         self.metrics = Registry()
         self.m_created = self.metrics.counter("aenv_sandboxes_created_total", "Sandboxes created")
         self.m_create_failed = self.metrics.counter(
@@ -182,24 +185,62 @@ class Node:
     def list(self) -> list[SandboxActor]:
         return sorted(self._sandboxes.values(), key=lambda a: (a.started_at, a.sandbox_id))
 
-    def _forget(self, actor: SandboxActor) -> None:
+    def _forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
         if self._sandboxes.get(actor.sandbox_id) is actor:
             del self._sandboxes[actor.sandbox_id]
-            reason = actor.lifecycle.reason.name.lower() if actor.lifecycle.reason else "unknown"
-            self.m_stopped.inc(reason=reason)
-        shutil.rmtree(actor.workdir, ignore_errors=True)
+            if not keep_files:
+                reason = (
+                    actor.lifecycle.reason.name.lower() if actor.lifecycle.reason else "unknown"
+                )
+                self.m_stopped.inc(reason=reason)
+        if not keep_files:
+            shutil.rmtree(actor.workdir, ignore_errors=True)
 
     async def collect_layers(self) -> None:
         """Remove frozen layers no sandbox uses (young ones stay: one may be mid-freeze)."""
         live = {lid for a in self._sandboxes.values() for lid in a.stack.ids()}
         try:
             live |= await self.snapshots.layer_ids()
+            live |= await self.paused_layer_ids()
             removed = await self.layers.gc(live, min_age_s=LAYER_GC_MIN_AGE_S)
         except Exception:
             log.exception("layer garbage collection failed")
             return
         if removed:
             log.info("removed %d unused layers", len(removed))
+
+    async def paused_layer_ids(self) -> set[str]:
+        """Layers that recorded paused sandboxes stand on (kept across restarts)."""
+        docs = await self.meta.run(self.meta.store.list_sandboxes, "paused")
+        return {lid for d in docs for lid in d.get("layers") or ()}
+
+    async def recover_paused(self) -> None:
+        """Take up the sandboxes recorded paused by an earlier node process.
+
+        One whose template, layers or memory image is gone is dropped with a
+        log line naming what is missing; the others appear paused, as before.
+        """
+        docs = await self.meta.run(self.meta.store.list_sandboxes, "paused")
+        for doc in docs:
+            sandbox_id = str(doc.get("sandboxID"))
+            try:
+                template = await self.resolve_template(str(doc["templateID"]))
+                actor = SandboxActor.recovered(self, template, doc)
+                missing = await trio.to_thread.run_sync(_missing_parts, actor)
+                if missing:
+                    raise FileNotFoundError(missing)
+                await self._launch(actor)
+                log.info("recovered paused sandbox %s", sandbox_id)
+            except Exception as exc:
+                log.error(
+                    "dropping paused sandbox %s, which cannot be recovered: %r", sandbox_id, exc
+                )
+                await self.meta.run(self.meta.store.delete_sandbox, sandbox_id)
+                await trio.to_thread.run_sync(
+                    functools.partial(
+                        shutil.rmtree, self.config.sandboxes_dir / sandbox_id, ignore_errors=True
+                    )
+                )
 
     # -- operations ----------------------------------------------------------
 
@@ -261,6 +302,11 @@ class Node:
 
     async def create(self, req: NewSandbox) -> SandboxActor:
         template = await self.resolve_template(req.template)
+        if template.snapshot_id is not None:  # a built template: restore its snapshot
+            doc = await self.snapshots.resolve(template.snapshot_id)
+            if doc is None:
+                raise CorruptSnapshot(f"snapshot {template.snapshot_id} is missing")
+            return await self.create_from_snapshot(doc, req, template=template)
         self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.node_tag)
         return await self._launch(SandboxActor(self, sandbox_id, template, req))
@@ -353,8 +399,10 @@ class Node:
             log.exception("recording a snapshot failed")
             req.fail(exc)
 
-    async def create_from_snapshot(self, doc: dict[str, Any], req: NewSandbox) -> SandboxActor:
-        template = await self.resolve_template(doc["templateID"])
+    async def create_from_snapshot(
+        self, doc: dict[str, Any], req: NewSandbox, *, template: Template | None = None
+    ) -> SandboxActor:
+        template = template or await self.resolve_template(doc["templateID"])
         image = await self.snapshots.verified_image(doc)
         layers = doc.get("layers") or []
         stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
@@ -395,7 +443,8 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
     )
     await runtime.reap_stale()
     await trio.to_thread.run_sync(reap_stale_mounts, config.sandboxes_dir)
-    _clear_dir(config.sandboxes_dir)
+    paused = await trio.to_thread.run_sync(_paused_images, config)
+    await trio.to_thread.run_sync(_clear_dir, config.sandboxes_dir, paused)
     templates = TemplateStore(config.templates_dir, image_root=config.run_dir / "images")
     async with (
         open_images(config) as images,
@@ -416,8 +465,9 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             nursery=nursery,
             api_key=api_key,
         )
-        # only snapshots survive a restart yet: every other layer is garbage
-        await node.layers.gc(await node.snapshots.layer_ids())
+        # snapshots and paused sandboxes survive a restart: other layers are garbage
+        await node.layers.gc(await node.snapshots.layer_ids() | await node.paused_layer_ids())
+        await node.recover_paused()
         try:
             yield node
         finally:
@@ -434,6 +484,39 @@ def _host_memory_mb() -> int:
     return 1024
 
 
-def _clear_dir(path: Path) -> None:
+def _clear_dir(path: Path, keep: dict[str, str | None]) -> None:
+    """Empty the sandboxes directory but for recorded paused sandboxes' images.
+
+    `keep` maps a paused sandbox's ID to its memory image's directory name
+    (None: filesystem-only pause); everything else of theirs (old period
+    disks, runtime bundles) goes too.
+    """
     for child in path.iterdir():
-        shutil.rmtree(child, ignore_errors=True)
+        if child.name not in keep:
+            shutil.rmtree(child, ignore_errors=True)
+            continue
+        for part in child.iterdir():
+            if part.name != keep[child.name]:
+                if part.is_dir() and not part.is_symlink():
+                    shutil.rmtree(part, ignore_errors=True)
+                else:
+                    part.unlink(missing_ok=True)
+
+
+def _paused_images(config: Config) -> dict[str, str | None]:
+    """{sandbox ID: memory image directory name} of the recorded paused sandboxes."""
+    store = MetadataStore(config.home / "aenv.db")
+    try:
+        docs = store.list_sandboxes("paused")
+    finally:
+        store.close()
+    return {str(d.get("sandboxID")): d.get("image") for d in docs}
+
+
+def _missing_parts(actor: SandboxActor) -> str:
+    """What a recovered sandbox lacks on disk, or "" (blocking)."""
+    gaps = [str(p) for p in actor.stack.lowers() if not p.is_dir()]
+    image = actor._resume_image
+    if image is not None and not image.is_dir():
+        gaps.append(str(image))
+    return ", ".join(gaps)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -45,6 +46,22 @@ LOG_LINES = 1000
 # control calls to envd leave no idle connection behind (a checkpoint would hold it)
 _CLOSE = {"Connection": "close"}
 _CLOSE_GRACE_S = 0.05
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file of a directory, then the directory (blocking)."""
+    for f in path.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class SandboxNotRunning(Exception):
@@ -181,6 +198,8 @@ class SandboxActor:
         # a capture that resumes the source at once (fork, snapshot)
         self._fork: tuple[Fork | Snapshot, Request[Msg], str] | None = None
         self._keep_deadline: float | None = None
+        # set on a sandbox recovered paused after a node restart: the TTL it had left
+        self._recovered_remaining: float | None = None
         # set when the source of a fork/snapshot runs again (or gives up)
         self.running_again = trio.Event()
         self._slot: NetSlot | None = None
@@ -241,8 +260,22 @@ class SandboxActor:
         node = self.node
         started = self.was_started = False
         try:
-            self._log("creating", template=self.template.template_id)
             image = self._resume_image
+            if self._recovered_remaining is not None:
+                # paused before the node restarted: take it up again, still paused
+                self.lifecycle.step(lc.Recovered(self._recovered_remaining))
+                self._log("recovered after a node restart, paused")
+                started = self.was_started = True
+                task_status.started(self)
+                if not await self._serve_paused():
+                    self._log(
+                        "stopping: "
+                        + (self.lifecycle.reason.value if self.lifecycle.reason else "unknown")
+                    )
+                    return
+                image = self._resume_image
+            else:
+                self._log("creating", template=self.template.template_id)
             while True:
                 stopping = await self._run_period(image, task_status, first=not started)
                 started = self.was_started = True
@@ -261,11 +294,16 @@ class SandboxActor:
                 raise
             log.exception("sandbox %s failed during teardown", self.sandbox_id)
         finally:
+            # cancelled while paused = the node is shutting down: the sandbox
+            # stays recorded (and its files kept) for the next node process
+            keep = self.lifecycle.state is lc.State.PAUSED
+            if not keep:
+                await self._forget_record()
             if self.lifecycle.can(lc.Stopped()):
                 self.lifecycle.step(lc.Stopped())
             self.mailbox.close()
             self.running_again.set()
-            node._forget(self)
+            node._forget(self, keep_files=keep)
             with trio.CancelScope(shield=True):
                 await node.collect_layers()
             self.stopped.set()
@@ -346,6 +384,7 @@ class SandboxActor:
                     self.lifecycle.step(lc.SetTimeout(now, max(0.0, self._keep_deadline - now)))
                     self._keep_deadline = None
                 self._log("resumed")
+                await self._forget_record()  # running again: a crash now loses it
                 self.running_again.set()
                 for req in self._resumers:
                     req.reply(True)
@@ -429,11 +468,111 @@ class SandboxActor:
                 self._log("captured for a snapshot")
                 self.node.spawn_snapshot(self, image, fork, fork_req)
             return True
+        # recorded before anyone hears "paused": a crash after the answer keeps it
+        await self._persist_paused()
         self._log(f"paused ({self.pause_mode}), {self.stack.depth} layers")
         for req in self._pausers:
             req.reply(None)
         self._pausers.clear()
         return True
+
+    # -- surviving a node restart ---------------------------------------------
+
+    def paused_record(self) -> dict[str, Any]:
+        """What a new node process needs to take this paused sandbox up again."""
+        p = self.policy
+        return {
+            "version": 1,
+            "sandboxID": self.sandbox_id,
+            "templateID": self.template.template_id,
+            "layers": list(self.stack.ids()),
+            "image": None if self._resume_image is None else self._resume_image.name,
+            "pauseMode": self.pause_mode,
+            "envdToken": self.envd_access_token,
+            "trafficToken": self.traffic_access_token,
+            "metadata": self.metadata,
+            "envVars": self.env_vars,
+            "policy": {
+                "allowInternet": p.allow_internet,
+                "allowOut": list(p.allow_out),
+                "denyOut": list(p.deny_out),
+                "allowOutGiven": None if p.allow_out_given is None else list(p.allow_out_given),
+                "denyOutGiven": None if p.deny_out_given is None else list(p.deny_out_given),
+            },
+            "allowInternetAccess": self.allow_internet_access,
+            "allowPublicTraffic": self.allow_public_traffic,
+            "autoPause": self.auto_pause,
+            "cpuCount": self.cpu_count,
+            "memoryMB": self.memory_mb,
+            "startedAt": self.started_at,
+            "pausedAt": self.paused_at,
+            "remaining": self.lifecycle.remaining or 0.0,
+            "captures": self._captures,
+        }
+
+    async def _persist_paused(self) -> None:
+        """Record this paused sandbox durably (its image flushed to disk first).
+
+        A crash before this returns loses the sandbox (nobody was told it
+        paused; it was running, and it is gone); after it, the sandbox
+        survives the crash, paused.
+        """
+        try:
+            if self._resume_image is not None:
+                await trio.to_thread.run_sync(_fsync_tree, self._resume_image)
+            doc = self.paused_record()
+            meta = self.node.meta
+            await meta.run(meta.store.put_sandbox, self.sandbox_id, "paused", doc, time.time())
+        except Exception:
+            log.exception("recording paused sandbox %s failed", self.sandbox_id)
+
+    async def _forget_record(self) -> None:
+        meta = self.node.meta
+        with trio.CancelScope(shield=True):
+            try:
+                await meta.run(meta.store.delete_sandbox, self.sandbox_id)
+            except Exception:
+                log.exception("removing the record of sandbox %s failed", self.sandbox_id)
+
+    @classmethod
+    def recovered(cls, node: Node, template: Template, doc: dict[str, Any]) -> SandboxActor:
+        """A sandbox paused before a node restart, from its `paused_record`."""
+        p = doc["policy"]
+        policy = EgressPolicy(
+            allow_internet=bool(p["allowInternet"]),
+            allow_out=tuple(p["allowOut"]),
+            deny_out=tuple(p["denyOut"]),
+            allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
+            deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
+        )
+        req = NewSandbox(
+            template=template.template_id,
+            timeout_s=1,
+            metadata=dict(doc["metadata"]),
+            env_vars=dict(doc["envVars"]),
+            policy=policy,
+            allow_internet_access=doc["allowInternetAccess"],
+            allow_public_traffic=bool(doc["allowPublicTraffic"]),
+            auto_pause=bool(doc["autoPause"]),
+            auto_pause_memory=doc["pauseMode"] == "full",
+            cpu_count=int(doc["cpuCount"]),
+            memory_mb=int(doc["memoryMB"]),
+        )
+        actor = cls(node, str(doc["sandboxID"]), template, req)
+        actor.env_vars = dict(doc["envVars"])  # as the sandbox had them, image Env included
+        actor.envd_access_token = str(doc["envdToken"])
+        actor.traffic_access_token = str(doc["trafficToken"])
+        actor.started_at = float(doc["startedAt"])
+        actor.paused_at = doc.get("pausedAt")
+        actor.pause_mode = str(doc["pauseMode"])
+        layers = list(doc["layers"])
+        actor.stack = (
+            node.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
+        )
+        actor._resume_image = None if doc["image"] is None else actor.workdir / str(doc["image"])
+        actor._captures = int(doc.get("captures") or 0)
+        actor._recovered_remaining = float(doc.get("remaining") or 0.0)
+        return actor
 
     def _image_shared(self, image: Path) -> bool:
         return image in self._shared_images
@@ -524,15 +663,15 @@ class SandboxActor:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}: {r.text[:200]}")
 
     def _default_user(self) -> str:
-        """E2B templates run as "user"; an image runs as its config's User (else root)."""
-        if self.template.image_key is None:
-            return "user"
-        return (self.template.user or "root").partition(":")[0] or "root"
+        """A template's (or image config's) User; else "user" for E2B templates, root for images."""
+        if self.template.user:
+            return self.template.user.partition(":")[0] or "root"
+        return "user" if self.template.image_key is None else "root"
 
     def _default_workdir(self) -> str:
-        if self.template.image_key is None:
-            return "/home/user"
-        return self.template.workdir or "/"  # as `docker run` does
+        if self.template.workdir:
+            return self.template.workdir
+        return "/home/user" if self.template.image_key is None else "/"  # as `docker run` does
 
     async def _serve(self) -> None:
         assert self._running is not None

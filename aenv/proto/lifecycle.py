@@ -10,6 +10,8 @@ from any live state; running -> pausing -> paused -> resuming -> running for
 pause/resume. Time spent paused does not count against the TTL: pausing
 banks the time left, resuming re-arms it (or the timeout the caller gives).
 A failed pause leaves the sandbox running; a failed resume leaves it paused.
+A paused sandbox recorded before a node restart starts its new life paused
+(creating -> paused), with the time it had left.
 """
 
 from __future__ import annotations
@@ -112,12 +114,20 @@ class Resumed:
 
 
 @dataclass(frozen=True)
+class Recovered:
+    """A paused sandbox taken up again after a node restart, with the TTL it had left."""
+
+    remaining: float
+
+
+@dataclass(frozen=True)
 class ResumeFailed:
     error: str
 
 
 Event = (
     Ready
+    | Recovered
     | SetTimeout
     | Expire
     | Kill
@@ -160,6 +170,7 @@ Effect = ArmDeadline | StopRuntime | Checkpoint | Restore
 _LIVE = frozenset({State.CREATING, State.RUNNING, State.PAUSING, State.PAUSED, State.RESUMING})
 _ALLOWED: dict[type[object], frozenset[State]] = {
     Ready: frozenset({State.CREATING}),
+    Recovered: frozenset({State.CREATING}),
     SetTimeout: frozenset({State.RUNNING}),
     Expire: frozenset({State.RUNNING}),
     Kill: _LIVE,
@@ -199,6 +210,10 @@ class Lifecycle:
                 self.state = State.RUNNING
                 self.deadline = now + timeout_s
                 return [ArmDeadline(self.deadline)]
+            case Recovered(remaining):
+                self.state = State.PAUSED
+                self.remaining = max(0.0, remaining)
+                return []
             case Expire(now):
                 if self.deadline is None or now < self.deadline:
                     return []  # a stale wake-up: the deadline moved

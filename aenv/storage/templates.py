@@ -86,6 +86,10 @@ class Template:
     env: tuple[str, ...] = ()
     workdir: str | None = None
     user: str | None = None
+    # Built templates (`aenv.node.builds`): the persistent snapshot (layers
+    # and memory) their sandboxes are restored from; env, workdir and user
+    # are then the build's, for image and directory bases alike.
+    snapshot_id: str | None = None
 
     @property
     def env_map(self) -> dict[str, str]:
@@ -147,6 +151,16 @@ class Template:
                 "workdir": self.workdir,
                 "user": self.user,
             },
+            "build": None
+            if self.snapshot_id is None
+            else {
+                "snapshotID": self.snapshot_id,
+                # a directory base: whose rootfs the snapshot's layers lie over
+                "rootfsOf": None if self.image_key is not None else self.rootfs.parent.name,
+                "env": list(self.env),
+                "workdir": self.workdir,
+                "user": self.user,
+            },
         }
 
 
@@ -190,6 +204,31 @@ def _parse_image(data: dict[str, object]) -> dict[str, object]:
     }
 
 
+def _parse_build(data: dict[str, object]) -> dict[str, object]:
+    build = data.get("build")
+    if build is None:
+        return {}
+    if not isinstance(build, dict):
+        raise _Corrupt("'build' is not an object")
+    env = build.get("env") or []
+    if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
+        raise _Corrupt("'build.env' is not a list of strings")
+    rootfs_of = _optional_str(build, "rootfsOf")
+    try:
+        check_name(_field(build, "snapshotID", str), "snapshot ID")
+        if rootfs_of is not None:
+            check_name(rootfs_of, "template ID")
+    except InvalidName as exc:
+        raise _Corrupt(str(exc)) from None
+    return {
+        "snapshot_id": build["snapshotID"],
+        "rootfs_of": rootfs_of,
+        "env": tuple(env),
+        "workdir": _optional_str(build, "workdir"),
+        "user": _optional_str(build, "user"),
+    }
+
+
 def _parse(
     template_id: str, template_dir: Path, raw: bytes, image_root: Path | None = None
 ) -> Template:
@@ -212,6 +251,8 @@ def _parse(
     if numbers["cpuCount"] < 1 or numbers["memoryMB"] < 1 or numbers["diskSizeMB"] < 0:
         raise _Corrupt("resources out of range")
     image = _parse_image(data)
+    built = _parse_build(data)
+    rootfs_of = built.pop("rootfs_of", None)
     if image and image_root is None:
         raise _Corrupt("an image template, but this store has no image mount")
     stamps: dict[str, float] = {}
@@ -224,9 +265,9 @@ def _parse(
         template_id=template_id,
         build_id=_field(data, "buildID", str),
         aliases=checked,
-        rootfs=template_dir / ROOTFS_DIR
-        if not image
-        else (image_root or Path("/nonexistent")) / str(image["image_key"]),
+        rootfs=(image_root or Path("/nonexistent")) / str(image["image_key"])
+        if image
+        else template_dir.parent / str(rootfs_of or template_id) / ROOTFS_DIR,
         cpu_count=numbers["cpuCount"],
         memory_mb=numbers["memoryMB"],
         disk_size_mb=numbers["diskSizeMB"],
@@ -235,7 +276,7 @@ def _parse(
         public=_field(data, "public", bool),
         start_cmd=_optional_str(data, "startCmd"),
         ready_cmd=_optional_str(data, "readyCmd"),
-        **image,  # type: ignore[arg-type]
+        **{**image, **built},  # type: ignore[arg-type]
     )
 
 
@@ -488,6 +529,74 @@ class TemplateStore:
                 raise
         log.info("added template %s from image %s (%s)", template_id, image_ref, image_key[:12])
         return template
+
+    def put_built(
+        self,
+        *,
+        template_id: str,
+        build_id: str,
+        aliases: Sequence[str],
+        base: Template,
+        snapshot_id: str,
+        env: Sequence[str] = (),
+        workdir: str | None = None,
+        user: str | None = None,
+        cpu_count: int = 2,
+        memory_mb: int = 512,
+        start_cmd: str | None = None,
+        ready_cmd: str | None = None,
+    ) -> tuple[Template, str | None]:
+        """Record a finished build of `template_id`: a new template, or a new build of one.
+
+        The template's sandboxes restore `snapshot_id`, whose layers lie over
+        `base`'s root filesystem. Rebuilding keeps the ID, aliases and creation
+        time. Returns the template and the snapshot of the build it replaced.
+        Only a built template can be rebuilt (TemplateConflict otherwise).
+        """
+        clean_aliases = self._check_new(template_id, aliases, cpu_count, memory_mb)
+        check_name(snapshot_id, "snapshot ID")
+        with self._locked():
+            old = self._load(template_id)
+            if old is not None and old.snapshot_id is None:
+                raise TemplateConflict(
+                    f"template {template_id!r} was not made by a build and cannot be rebuilt"
+                )
+            if old is None:
+                self._check_free(template_id, clean_aliases)
+            now = time.time()
+            template = Template(
+                template_id=template_id,
+                build_id=build_id,
+                aliases=old.aliases if old is not None else clean_aliases,
+                rootfs=base.rootfs,
+                cpu_count=cpu_count,
+                memory_mb=memory_mb,
+                disk_size_mb=base.disk_size_mb,
+                created_at=old.created_at if old is not None else now,
+                updated_at=now,
+                start_cmd=start_cmd,
+                ready_cmd=ready_cmd,
+                image_key=base.image_key,
+                image_ref=base.image_ref,
+                env=tuple(env),
+                workdir=workdir or None,
+                user=user or None,
+                snapshot_id=snapshot_id,
+            )
+            if old is not None:
+                _write_json_atomic(self.root / template_id / METADATA_FILE, template._to_json())
+            else:
+                staging = self.root / f"{_STAGING_PREFIX}{template_id}-{secrets.token_hex(4)}"
+                staging.mkdir(mode=0o755)
+                try:
+                    _write_json_atomic(staging / METADATA_FILE, template._to_json())
+                    os.rename(staging, self.root / template_id)
+                    _fsync_dir(self.root)
+                except BaseException:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise
+        log.info("template %s: build %s ready (snapshot %s)", template_id, build_id, snapshot_id)
+        return template, None if old is None else old.snapshot_id
 
     def delete(self, name_or_id: str) -> None:
         """Remove a template (by ID or alias) and its root filesystem."""

@@ -150,3 +150,16 @@ class LifecycleWalk(RuleBasedStateMachine):
 
 
 TestLifecycleWalk = LifecycleWalk.TestCase
+
+
+def test_recovered_sandbox_starts_paused_with_the_time_it_had_left() -> None:
+    m = lc.Lifecycle()
+    m.step(lc.Recovered(42.0))
+    assert m.state is lc.State.PAUSED and m.deadline is None
+    m.step(lc.Resume(1000.0, None))
+    m.step(lc.Resumed(1001.0))
+    assert m.state is lc.State.RUNNING and m.deadline == 1043.0
+    running = lc.Lifecycle()
+    running.step(lc.Ready(0.0, 10))
+    with pytest.raises(lc.InvalidTransition):
+        running.step(lc.Recovered(5.0))

@@ -1,0 +1,185 @@
+"""Template builds with the real e2b SDK's `Template` builder, a real registry and node.
+
+Rules: the base image is busybox pushed by the test to the loopback registry;
+builds go through the unmodified SDK (`Template.build`), sandboxes through
+`Sandbox.create(name)`. Each test kills its sandboxes and deletes the
+templates it built; which snapshots back a template is read from the REST
+API (`GET /snapshots`), never from the node's internals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox, Template
+from e2b.exceptions import BuildException, SandboxException
+
+from tests.conftest import NodeProc, requires_node
+from tests.e2e.counter import COUNTER, counts_on
+from tests.registry import LocalRegistry, push_busybox
+
+pytestmark = [requires_node, pytest.mark.runsc]
+
+
+def api(node: NodeProc) -> httpx.Client:
+    return httpx.Client(base_url=node.url, headers={"X-API-Key": node.api_key}, timeout=120)
+
+
+def snapshot_ids(node: NodeProc) -> set[str]:
+    with api(node) as c:
+        return {d["snapshotID"] for d in c.get("/snapshots", params={"limit": 1000}).json()}
+
+
+def delete_template(node: NodeProc, name: str) -> int:
+    with api(node) as c:
+        return c.delete(f"/templates/{name}").status_code
+
+
+def test_build_from_an_image_with_steps_and_a_start_command(
+    node: NodeProc, registry: LocalRegistry
+) -> None:
+    img = push_busybox(registry, "build-base", "1")
+    template = (
+        Template()
+        .from_image(img.ref)
+        .set_envs({"GREETING": "hello built"})
+        .run_cmd("echo built > /made.txt && echo visible-in-logs")
+        .set_workdir("/srv/app")
+        .run_cmd("pwd > where.txt && echo $GREETING >> where.txt")
+        .set_user("app")
+        .run_cmd("whoami > /tmp/who.txt")
+        .set_start_cmd(COUNTER, "test -s /tmp/counter")
+    )
+    logs: list[str] = []
+    info = Template.build(
+        template,
+        "built-one",
+        cpu_count=1,
+        memory_mb=256,
+        on_build_logs=lambda e: logs.append(e.message),
+    )
+    assert info.template_id and info.build_id
+    assert "visible-in-logs" in logs
+    s = Sandbox.create("built-one", timeout=120)
+    try:
+        assert s.get_info().template_id == info.template_id
+        assert s.files.read("/made.txt") == "built\n"
+        assert s.files.read("/srv/app/where.txt") == "/srv/app\nhello built\n"
+        assert s.files.read("/tmp/who.txt") == "app\n"
+        # env, workdir and user of the build are the sandbox's defaults
+        assert s.commands.run("pwd; echo $GREETING; whoami").stdout == (
+            "/srv/app\nhello built\napp\n"
+        )
+        # the start command's process came along in the snapshot and carries on
+        assert counts_on(s) > 0
+    finally:
+        s.kill()
+    assert delete_template(node, "built-one") == 204
+    with pytest.raises(SandboxException):
+        Sandbox.create("built-one", timeout=30)
+
+
+def test_a_failing_step_fails_the_build_and_names_the_step(
+    node: NodeProc, registry: LocalRegistry, tmp_path: Path
+) -> None:
+    img = push_busybox(registry, "build-fail", "1")
+    before = snapshot_ids(node)
+    failing = (
+        Template()
+        .from_image(img.ref)
+        .run_cmd("true")
+        .run_cmd("echo about to fail >&2; exit 3")
+        .run_cmd("echo never")
+    )
+    with pytest.raises(BuildException) as err:
+        Template.build(failing, "built-fail")
+    assert "step 2" in str(err.value) and "exit code 3" in str(err.value)
+    assert not Template.exists("built-fail")
+
+    (tmp_path / "data.txt").write_text("payload")
+    copying = Template(file_context_path=tmp_path).from_image(img.ref).copy("data.txt", "/data.txt")
+    with pytest.raises(BuildException, match="COPY is not supported yet"):
+        Template.build(copying, "built-copy")
+
+    bad_start = Template().from_image(img.ref).set_start_cmd("exit 7", "false")
+    with pytest.raises(BuildException, match="start command ended with exit code 7"):
+        Template.build(bad_start, "built-bad-start")
+    assert snapshot_ids(node) == before  # failed builds leave no snapshot behind
+
+
+def test_rebuild_keeps_the_id_and_deleting_removes_its_snapshots(
+    node: NodeProc, registry: LocalRegistry
+) -> None:
+    img = push_busybox(registry, "build-again", "1")
+    before = snapshot_ids(node)
+    first = Template.build(Template().from_image(img.ref).run_cmd("echo v1 > /v.txt"), "built-two")
+    snap1 = snapshot_ids(node) - before
+    assert len(snap1) == 1
+    with api(node) as c:
+        refused = c.delete(f"/snapshots/{next(iter(snap1))}")
+        assert refused.status_code == 409, refused.text
+    old = Sandbox.create("built-two", timeout=120)
+    new: Sandbox | None = None
+    try:
+        assert old.files.read("/v.txt") == "v1\n"
+        # a template built from a built one
+        derived = Template.build(
+            Template().from_template("built-two").run_cmd("cat /v.txt > /w.txt"), "built-derived"
+        )
+        assert derived.template_id != first.template_id
+        second = Template.build(
+            Template().from_image(img.ref).run_cmd("echo v2 > /v.txt"), "built-two"
+        )
+        assert second.template_id == first.template_id
+        assert second.build_id != first.build_id
+        new = Sandbox.create("built-two", timeout=120)
+        assert new.files.read("/v.txt") == "v2\n"
+        assert old.files.read("/v.txt") == "v1\n"  # a running sandbox keeps its build
+        d = Sandbox.create("built-derived", timeout=60)
+        try:
+            assert d.files.read("/w.txt") == "v1\n"
+        finally:
+            d.kill()
+    finally:
+        old.kill()
+        if new is not None:
+            new.kill()
+    assert snapshot_ids(node) - before - snap1, "the rebuild has its own snapshot"
+    assert not snap1 & snapshot_ids(node), "the first build's snapshot went with the rebuild"
+    assert delete_template(node, "built-two") == 409  # the derived template is built on it
+    assert delete_template(node, "built-derived") == 204
+    assert delete_template(node, "built-two") == 204
+    assert snapshot_ids(node) == before
+
+
+def test_bad_requests_are_refused_clearly(node: NodeProc) -> None:
+    with api(node) as c:
+        r = c.post("/v3/templates", json={"name": "Bad Name"})
+        assert r.status_code == 400
+        r = c.post("/v3/templates", json={"name": "x:v1"})
+        assert r.status_code == 400 and "tags" in r.json()["message"]
+        r = c.post("/v3/templates", json={"name": "base"})
+        assert r.status_code == 409  # a template no build made
+        r = c.post("/v3/templates", json={"name": "built-req", "cpuCount": 0})
+        assert r.status_code == 400
+        r = c.post("/v3/templates", json={"name": "built-req"})
+        assert r.status_code == 202, r.text
+        tid, bid = r.json()["templateID"], r.json()["buildID"]
+        url = f"/v2/templates/{tid}/builds/{bid}"
+        assert c.post(url, json={"steps": []}).status_code == 400  # no base
+        r = c.post(
+            url,
+            json={
+                "fromImage": "busybox",
+                "fromImageRegistry": {"type": "registry", "username": "u", "password": "p"},
+            },
+        )
+        assert r.status_code == 400 and "fromImageRegistry" in r.json()["message"]
+        r = c.post(url, json={"fromTemplate": "base", "steps": [{"type": "ADD", "args": []}]})
+        assert r.status_code == 400
+        assert c.post(f"/v2/templates/{tid}/builds/nope", json={}).status_code == 404
+        assert c.get(f"/templates/{tid}/builds/nope/status").status_code == 404
+        status = c.get(f"/templates/{tid}/builds/{bid}/status")
+        assert status.status_code == 200 and status.json()["status"] == "waiting"
