@@ -41,6 +41,8 @@ class Config:
     default_memory_mb: int = 512
     node_tag: str = "n0"
     max_body_bytes: int = 1 << 20
+    # Keep each template as a memory snapshot so its sandboxes restore, not boot.
+    warm_templates: bool = True
     # Byte bound on the local chunk cache of image contents (AENV_CACHE_MAX_BYTES).
     cache_max_bytes: int = 32 << 30
     # Registries images may come from (None: any), registries reachable over
@@ -115,6 +117,13 @@ class Config:
             )
         if "AENV_NODE_TAG" in env:
             kw["node_tag"] = env["AENV_NODE_TAG"]
+        if env.get("AENV_WARM_TEMPLATES"):
+            kw["warm_templates"] = env["AENV_WARM_TEMPLATES"].strip().lower() not in (
+                "0",
+                "false",
+                "no",
+                "off",
+            )
         if env.get("AENV_CACHE_MAX_BYTES"):
             kw["cache_max_bytes"] = parse_size(env["AENV_CACHE_MAX_BYTES"])
         if "AENV_REGISTRY_ALLOW" in env:

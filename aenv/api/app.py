@@ -54,6 +54,7 @@ from aenv.node.sandbox import (
     Snapshot,
 )
 from aenv.node.snapshots import CorruptSnapshot
+from aenv.node.warm import is_internal
 from aenv.proto import requests as rq
 from aenv.proto.ids import InvalidName, check_name, is_sandbox_id
 from aenv.storage.templates import TemplateConflict, TemplateNotFound
@@ -459,7 +460,7 @@ def create_app(node: Node) -> QuartTrio:
 
     @app.get("/snapshots")
     async def snapshot_list() -> Response:
-        docs = await node.snapshots.list()
+        docs = [d for d in await node.snapshots.list() if not is_internal(d)]
         sid, name = request.args.get("sandboxID"), request.args.get("name")
         if sid:
             docs = [d for d in docs if d.get("sourceSandboxID") == sid]
@@ -540,10 +541,11 @@ def create_app(node: Node) -> QuartTrio:
             await node.collect_layers()
             return _no_content()
         t = template(template_id)
-        if any(d.get("templateID") == t.template_id for d in await node.snapshots.list()):
-            raise ApiError(409, f"template {template_id!r} is the base of stored snapshots")
         if any(a.template.template_id == t.template_id for a in node.list()):
             raise ApiError(409, f"template {template_id!r} is in use by running sandboxes")
+        await node.warmer.forget(t.template_id)  # the template's own snapshots go first
+        if any(d.get("templateID") == t.template_id for d in await node.snapshots.list()):
+            raise ApiError(409, f"template {template_id!r} is the base of stored snapshots")
         await trio.to_thread.run_sync(node.templates.delete, t.template_id)
         await node.builds.forget_template(t)  # a built template's snapshot goes with it
         return _no_content()

@@ -31,6 +31,7 @@ from aenv.kit.metrics import Registry
 from aenv.node.builds import Builds
 from aenv.node.sandbox import Fork, SandboxActor, Snapshot
 from aenv.node.snapshots import CorruptSnapshot, Snapshots
+from aenv.node.warm import Warmer
 from aenv.proto import ids
 from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
@@ -113,6 +114,7 @@ class Node:
         self._nursery = nursery
         self._sandboxes: dict[str, SandboxActor] = {}
         self.builds = Builds(self, nursery)  # template builds (aenv.node.builds)
+        self.warmer = Warmer(self, nursery, enabled=config.warm_templates)
         self.metrics = Registry()
         self.m_created = self.metrics.counter("aenv_sandboxes_created_total", "Sandboxes created")
         self.m_create_failed = self.metrics.counter(
@@ -178,12 +180,14 @@ class Node:
 
     def get(self, sandbox_id: str) -> SandboxActor:
         actor = self._sandboxes.get(sandbox_id)
-        if actor is None:
+        if actor is None or actor.hidden:
             raise SandboxNotFound(sandbox_id)
         return actor
 
     def list(self) -> list[SandboxActor]:
-        return sorted(self._sandboxes.values(), key=lambda a: (a.started_at, a.sandbox_id))
+        """The sandboxes callers see (not the node's own, such as template warm-ups)."""
+        shown = [a for a in self._sandboxes.values() if not a.hidden]
+        return sorted(shown, key=lambda a: (a.started_at, a.sandbox_id))
 
     def _forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
         if self._sandboxes.get(actor.sandbox_id) is actor:
@@ -307,6 +311,17 @@ class Node:
             if doc is None:
                 raise CorruptSnapshot(f"snapshot {template.snapshot_id} is missing")
             return await self.create_from_snapshot(doc, req, template=template)
+        sized = req.cpu_count in (None, template.cpu_count) and req.memory_mb in (
+            None,
+            template.memory_mb,
+        )
+        warm = await self.warmer.snapshot(template) if sized else None
+        if warm is not None:  # the template as a snapshot: restore, do not boot
+            try:
+                return await self.create_from_snapshot(warm, req, template=template)
+            except CorruptSnapshot as exc:
+                log.warning("template %s snapshot unusable (%s)", template.template_id, exc)
+                await self.snapshots.delete(str(warm["snapshotID"]))
         self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.node_tag)
         return await self._launch(SandboxActor(self, sandbox_id, template, req))

@@ -178,6 +178,8 @@ class SandboxActor:
         self.sandbox_ip: str | None = None
         self.stopped = trio.Event()
         self.was_started = False
+        # the node's own sandboxes (template warm-ups) are not shown to callers
+        self.hidden = False
         self._timeout_s = req.timeout_s
         self._running: RunningSandbox | None = None
         # Node -> sandbox HTTP (envd control calls, proxied traffic) for the
