@@ -43,8 +43,15 @@ class Config:
     max_body_bytes: int = 1 << 20
     # Keep each template as a memory snapshot so its sandboxes restore, not boot.
     warm_templates: bool = True
+    # Restored sandboxes kept ready per recently used template (0: no pool).
+    pool_size: int = 2
     # Byte bound on the local chunk cache of image contents (AENV_CACHE_MAX_BYTES).
     cache_max_bytes: int = 32 << 30
+    # Object store for durable snapshots (AENV_STORE_URL): file:///dir, s3://bucket/prefix,
+    # gs://..., az://...; None: file://$AENV_HOME/store; "none" turns durable storage off.
+    store_url: str | None = None
+    # Store blobs no manifest references are deleted once older than this (seconds).
+    store_gc_grace_s: float = 3600.0
     # Registries images may come from (None: any), registries reachable over
     # plain HTTP, and mirrors tried before a registry ({registry: (urls...)}).
     registry_allow: tuple[str, ...] | None = None
@@ -88,6 +95,13 @@ class Config:
         return self.home / "cache"
 
     @property
+    def effective_store_url(self) -> str | None:
+        """The object store's URL, or None when durable storage is off."""
+        if self.store_url is None:
+            return f"file://{os.path.abspath(self.home / 'store')}"
+        return None if self.store_url.lower() in ("none", "off") else self.store_url
+
+    @property
     def auth_file(self) -> Path:
         return self.registry_auth_file or self.secrets_dir / "registries.json"
 
@@ -124,6 +138,12 @@ class Config:
                 "no",
                 "off",
             )
+        if env.get("AENV_POOL_SIZE"):
+            kw["pool_size"] = int(env["AENV_POOL_SIZE"])
+        if env.get("AENV_STORE_URL"):
+            kw["store_url"] = env["AENV_STORE_URL"].strip()
+        if env.get("AENV_STORE_GC_GRACE"):
+            kw["store_gc_grace_s"] = float(env["AENV_STORE_GC_GRACE"])
         if env.get("AENV_CACHE_MAX_BYTES"):
             kw["cache_max_bytes"] = parse_size(env["AENV_CACHE_MAX_BYTES"])
         if "AENV_REGISTRY_ALLOW" in env:

@@ -212,6 +212,7 @@ def create_app(node: Node) -> QuartTrio:
             raise ApiError(400, str(e)) from None
         try:
             snap = await node.snapshots.resolve(req.template)
+            snap = snap or await node.durable.locate(req.template)  # only in the object store?
             a = await (node.create_from_snapshot(snap, req) if snap else node.create(req))
         except CorruptSnapshot as e:
             raise ApiError(500, f"snapshot {req.template!r} cannot be used: {e}") from None
@@ -447,16 +448,26 @@ def create_app(node: Node) -> QuartTrio:
 
     @app.post("/sandboxes/<sandbox_id>/snapshots")
     async def snapshot_create(sandbox_id: str) -> Response:
+        body = await _body()
         try:
-            name, memory = rq.parse_snapshot(await _body())
+            name, memory = rq.parse_snapshot(body)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
         a = sandbox(sandbox_id)
         doc = await ask(a, Snapshot(name, memory), 600)
+        if isinstance(body, dict) and body.get("durable") is True:  # aenv extension
+            doc = await node.durable.wait_durable(doc["snapshotID"])
+            if doc.get("storage") != "durable":
+                why = doc.get("storageError") or "no object store is configured"
+                raise ApiError(503, f"snapshot {doc['snapshotID']} is not durable yet: {why}")
         return _json(_snapshot_info(doc), 201)
 
     def _snapshot_info(doc: dict[str, Any]) -> dict[str, Any]:
-        return {"snapshotID": doc["snapshotID"], "names": list(doc.get("names") or [])}
+        return {
+            "snapshotID": doc["snapshotID"],
+            "names": list(doc.get("names") or []),
+            "storage": doc.get("storage") or "local",  # aenv extension: local|uploading|durable
+        }
 
     @app.get("/snapshots")
     async def snapshot_list() -> Response:
@@ -491,9 +502,12 @@ def create_app(node: Node) -> QuartTrio:
     @app.get("/snapshots/<snapshot_id>")
     async def snapshot_detail(snapshot_id: str) -> Response:
         doc = await node.snapshots.resolve(snapshot_id)
+        doc = doc or await node.durable.locate(snapshot_id)  # only in the object store?
         if doc is None:
             raise ApiError(404, f"snapshot {snapshot_id!r} not found")
         info = _snapshot_info(doc)
+        if doc.get("storageError") and info["storage"] != "durable":
+            info["storageError"] = doc["storageError"]
         info.update(
             {
                 "sourceSandboxID": doc.get("sourceSandboxID"),

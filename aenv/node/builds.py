@@ -274,15 +274,11 @@ class Builds:
     async def request(self, name: str, *, cpu_count: int, memory_mb: int) -> Build:
         """Reserve a build of template `name` (raises BuildConflict, InvalidName)."""
         check_name(name, "template name")
-        template_id: str | None = None
-        for b in reversed(self._builds.values()):
-            if b.name == name:
-                template_id = b.template_id
-                break
         try:
             existing = await trio.to_thread.run_sync(self.node.templates.resolve, name)
         except TemplateNotFound:
             existing = None
+        template_id: str | None = None
         if existing is not None:
             if existing.snapshot_id is None:
                 raise BuildConflict(
@@ -291,6 +287,11 @@ class Builds:
                 )
             template_id = existing.template_id
             name = existing.aliases[0] if existing.aliases else name
+        else:  # no await from here on: a concurrent request sees this build
+            for b in reversed(self._builds.values()):
+                if b.name == name:
+                    template_id = b.template_id
+                    break
         build = Build(
             template_id=template_id or new_template_id(),
             build_id=str(uuid.uuid4()),

@@ -29,6 +29,8 @@ from aenv.images.store import ImageRecord
 from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
 from aenv.node.builds import Builds
+from aenv.node.durable import Durable
+from aenv.node.pool import Pool
 from aenv.node.sandbox import Fork, SandboxActor, Snapshot
 from aenv.node.snapshots import CorruptSnapshot, Snapshots
 from aenv.node.warm import Warmer
@@ -114,7 +116,10 @@ class Node:
         self._nursery = nursery
         self._sandboxes: dict[str, SandboxActor] = {}
         self.builds = Builds(self, nursery)  # template builds (aenv.node.builds)
+        self.durable = Durable(self, nursery)  # object store uploads (aenv.node.durable)
         self.warmer = Warmer(self, nursery, enabled=config.warm_templates)
+        self.pool = Pool(self, nursery, size=config.pool_size)
+        self._verified: set[str] = set()  # snapshots whose images were checked
         self.metrics = Registry()
         self.m_created = self.metrics.counter("aenv_sandboxes_created_total", "Sandboxes created")
         self.m_create_failed = self.metrics.counter(
@@ -317,6 +322,14 @@ class Node:
         )
         warm = await self.warmer.snapshot(template) if sized else None
         if warm is not None:  # the template as a snapshot: restore, do not boot
+            pooled = self.pool.take(template)  # or take one restored already
+            if pooled is not None:
+                try:
+                    return await pooled.adopt(req)
+                except Exception as exc:
+                    log.warning("adopting pooled sandbox %s failed: %r", pooled.sandbox_id, exc)
+                finally:
+                    self.pool.replenish(template)
             try:
                 return await self.create_from_snapshot(warm, req, template=template)
             except CorruptSnapshot as exc:
@@ -408,6 +421,7 @@ class Node:
     async def _snapshot(self, doc: dict[str, Any], image: Path | None, req: Request[Any]) -> None:
         try:
             recorded = await self.snapshots.record(doc=doc, image=image)
+            self.durable.spawn(recorded)  # uploads in the background
             await self._source_back(doc["sourceSandboxID"])
             req.reply(recorded)
         except Exception as exc:
@@ -417,13 +431,25 @@ class Node:
     async def create_from_snapshot(
         self, doc: dict[str, Any], req: NewSandbox, *, template: Template | None = None
     ) -> SandboxActor:
+        return await self._launch(await self.restorer(doc, req, template=template))
+
+    async def restorer(
+        self, doc: dict[str, Any], req: NewSandbox, *, template: Template | None = None
+    ) -> SandboxActor:
+        """A sandbox (not started yet) that restores snapshot `doc`."""
         template = template or await self.resolve_template(doc["templateID"])
-        image = await self.snapshots.verified_image(doc)
+        doc = await self.durable.ensure_local(doc, template)  # fetched from the store if missing
+        snapshot_id = str(doc.get("snapshotID"))
+        if doc.get("image") is not None and snapshot_id in self._verified:
+            image: Path | None = Path(doc["image"])  # immutable, checked once per process
+        else:
+            image = await self.snapshots.verified_image(doc)
+            self._verified.add(snapshot_id)
         layers = doc.get("layers") or []
         stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
         self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.node_tag)
-        actor = SandboxActor.from_snapshot(
+        return SandboxActor.from_snapshot(
             self,
             sandbox_id,
             template,
@@ -434,7 +460,6 @@ class Node:
             cpu_count=int(doc.get("cpuCount") or template.cpu_count),
             memory_mb=int(doc.get("memoryMB") or template.memory_mb),
         )
-        return await self._launch(actor)
 
     async def kill(self, sandbox_id: str) -> None:
         from aenv.node.sandbox import Kill
@@ -483,6 +508,7 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         # snapshots and paused sandboxes survive a restart: other layers are garbage
         await node.layers.gc(await node.snapshots.layer_ids() | await node.paused_layer_ids())
         await node.recover_paused()
+        await node.durable.resume()  # unfinished snapshot uploads
         try:
             yield node
         finally:

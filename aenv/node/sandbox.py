@@ -12,6 +12,7 @@ recorded: one sandbox's crash never reaches the node.
 from __future__ import annotations
 
 import collections
+import datetime
 import logging
 import os
 import secrets
@@ -142,7 +143,31 @@ class Snapshot:
     memory: bool = True
 
 
-Msg = SetTimeout | ExtendTimeout | Kill | SetNetwork | GetUsage | Pause | Resume | Fork | Snapshot
+@dataclass(frozen=True)
+class PoolFreeze:
+    """Freeze a pooled sandbox's processes until it is adopted."""
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """Make a pooled sandbox the caller's: its request, tokens and timeout. Answers the actor."""
+
+    req: NewSandbox
+
+
+Msg = (
+    SetTimeout
+    | ExtendTimeout
+    | Kill
+    | SetNetwork
+    | GetUsage
+    | Pause
+    | Resume
+    | Fork
+    | Snapshot
+    | PoolFreeze
+    | Adopt
+)
 
 
 @dataclass(frozen=True)
@@ -178,8 +203,11 @@ class SandboxActor:
         self.sandbox_ip: str | None = None
         self.stopped = trio.Event()
         self.was_started = False
-        # the node's own sandboxes (template warm-ups) are not shown to callers
+        # the node's own sandboxes (template warm-ups, pool members) are not shown
         self.hidden = False
+        # a pool member waiting, frozen, to be adopted by a create
+        self.pooled = False
+        self._frozen = False
         self._timeout_s = req.timeout_s
         self._running: RunningSandbox | None = None
         # Node -> sandbox HTTP (envd control calls, proxied traffic) for the
@@ -655,7 +683,9 @@ class SandboxActor:
             "accessToken": self.envd_access_token,
             "defaultUser": self._default_user(),
             "defaultWorkdir": self._default_workdir(),
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # microseconds: envd ignores an /init not newer than the last (a pool
+            # member is initialised twice within a second when adopted at once)
+            "timestamp": datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z"),
         }
         # after a resume envd already holds the token and wants it to re-init
         current = self._prior_token or self.envd_access_token
@@ -744,6 +774,16 @@ class SandboxActor:
                     self._fork = (msg, req, self.pause_mode)
                     self.pause_mode = "full"
                     self.lifecycle.step(lc.Pause(trio.current_time()))
+                case PoolFreeze():
+                    if self.pooled and self._running is not None and not self._frozen:
+                        await self._running.freeze()
+                        self._frozen = True
+                    req.reply(None)
+                case Adopt(new):
+                    if not self.pooled or self.lifecycle.state is not lc.State.RUNNING:
+                        raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
+                    await self._adopt(new)
+                    req.reply(self)
                 case Resume(timeout_s):
                     if self.lifecycle.state is lc.State.RUNNING:
                         req.reply(False)
@@ -754,6 +794,38 @@ class SandboxActor:
                         raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
         except Exception as exc:
             req.fail(exc)
+
+    async def freeze_pooled(self) -> None:
+        await self.mailbox.ask(PoolFreeze(), timeout=60)
+
+    async def adopt(self, req: NewSandbox) -> SandboxActor:
+        """Hand this pooled sandbox to the creator of `req` (see `aenv.node.pool`)."""
+        actor: SandboxActor = await self.mailbox.ask(Adopt(req), timeout=60)
+        return actor
+
+    async def _adopt(self, new: NewSandbox) -> None:
+        assert self._running is not None
+        t0 = time.perf_counter()
+        if self._frozen:
+            await self._running.thaw()
+            self._frozen = False
+        if new.policy != self.policy:
+            await self._set_network(new.policy)
+        self.metadata = dict(new.metadata)
+        self.env_vars = {**self.template.env_map, **new.env_vars}
+        self.allow_internet_access = new.allow_internet_access
+        self.allow_public_traffic = new.allow_public_traffic
+        self.auto_pause = self.lifecycle.auto_pause = new.auto_pause
+        self.pause_mode = "full" if new.auto_pause_memory else "filesystem"
+        self._prior_token = self.envd_access_token
+        self.envd_access_token = secrets.token_urlsafe(24)
+        self.traffic_access_token = secrets.token_urlsafe(24)
+        await self._init_envd(resumed=True)
+        self._prior_token = None
+        self.started_at = time.time()
+        self.lifecycle.step(lc.SetTimeout(trio.current_time(), new.timeout_s))
+        self.pooled = self.hidden = False
+        self._log(f"adopted from the pool in {1000 * (time.perf_counter() - t0):.0f} ms")
 
     async def _set_network(self, policy: EgressPolicy) -> None:
         assert self._slot is not None

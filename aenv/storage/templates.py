@@ -6,7 +6,10 @@ its metadata. Names from callers are validated with `check_name` before they
 touch the filesystem, and paths are always derived from the validated ID,
 never read from metadata. A template appears atomically: it is assembled in a
 hidden staging directory and renamed into place; deletion renames it away
-before removing it. A corrupt `template.json` is logged and skipped. The
+before removing it. A built template (`put_built`) has no root filesystem
+of its own: it names the snapshot its sandboxes are restored from, over its
+base's root filesystem, and a rebuild rewrites its `template.json` in place.
+A corrupt `template.json` is logged and skipped. The
 methods do blocking filesystem work: call them from a worker thread
 (`trio.to_thread.run_sync`) on the node.
 """

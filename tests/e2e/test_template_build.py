@@ -183,3 +183,17 @@ def test_bad_requests_are_refused_clearly(node: NodeProc) -> None:
         assert c.get(f"/templates/{tid}/builds/nope/status").status_code == 404
         status = c.get(f"/templates/{tid}/builds/{bid}/status")
         assert status.status_code == 200 and status.json()["status"] == "waiting"
+
+
+def test_build_from_a_directory_template(node: NodeProc) -> None:
+    info = Template.build(
+        Template().from_template("base").run_cmd("echo from-base > /home/user/b.txt"), "built-dir"
+    )
+    s = Sandbox.create("built-dir", timeout=60)
+    try:
+        assert s.get_info().template_id == info.template_id
+        # the base template's defaults carry over: user "user" in /home/user
+        assert s.commands.run("cat b.txt; whoami; pwd").stdout == "from-base\nuser\n/home/user\n"
+    finally:
+        s.kill()
+    assert delete_template(node, "built-dir") == 204

@@ -1,0 +1,120 @@
+"""A pool of restored sandboxes per hot template: create becomes an assignment.
+
+For a template that is a snapshot (`aenv.node.warm`) and was asked for in
+the last `HOT_FOR_S` seconds, the pool keeps up to `size` sandboxes restored
+from that snapshot, hidden, with envd up, their processes frozen (no CPU;
+their memory is the pool's bound: `size` sandboxes per hot template). A
+create of that template with the template's default size takes one
+(`take`, synchronous, so no sandbox is ever handed out twice) and the
+sandbox adopts the caller's request (ID stays, tokens, env, metadata,
+network policy and timeout become the caller's), then the pool refills in
+the background. Members of a template that goes cold are killed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from aenv.node.sandbox import Kill, SandboxActor
+from aenv.node.warm import snapshot_name
+from aenv.proto import lifecycle as lc
+from aenv.proto.requests import NewSandbox
+from aenv.storage.templates import Template
+
+if TYPE_CHECKING:
+    from aenv.node.node import Node
+
+log = logging.getLogger("aenv.pool")
+
+HOT_FOR_S = 600.0
+MEMBER_TIMEOUT_S = 24 * 3600
+
+
+class Pool:
+    def __init__(self, node: Node, nursery: trio.Nursery, *, size: int) -> None:
+        self.node = node
+        self.size = max(0, size)
+        self._nursery = nursery
+        self._ready: dict[str, collections.deque[SandboxActor]] = {}
+        self._filling: set[str] = set()
+        self._used_at: dict[str, float] = {}
+        self._wake: dict[str, trio.Event] = {}
+
+    def take(self, template: Template) -> SandboxActor | None:
+        """A ready sandbox of `template`, now the caller's; None if there is none.
+
+        Also marks the template hot, so the pool (re)fills for it.
+        """
+        if self.size == 0:
+            return None
+        key = snapshot_name(template)
+        self._used_at[key] = time.monotonic()
+        queue = self._ready.setdefault(key, collections.deque())
+        found = None
+        while queue:
+            actor = queue.popleft()
+            if actor.pooled and actor.state is lc.State.RUNNING:
+                found = actor
+                break
+        if found is None:
+            self.replenish(template)
+        return found
+
+    def replenish(self, template: Template) -> None:
+        """Refill the template's queue (after a take: once the taken one is handed over,
+        so its adoption does not compete with a restore for the CPU)."""
+        if (wake := self._wake.get(snapshot_name(template))) is not None:
+            wake.set()
+        self._refill(template)
+
+    def statistics(self) -> dict[str, int]:
+        return {key: len(q) for key, q in self._ready.items()}
+
+    def _refill(self, template: Template) -> None:
+        key = snapshot_name(template)
+        if key not in self._filling:
+            self._filling.add(key)
+            self._nursery.start_soon(self._fill, template)
+
+    def _hot(self, key: str) -> bool:
+        return time.monotonic() - self._used_at.get(key, -HOT_FOR_S) < HOT_FOR_S
+
+    async def _fill(self, template: Template) -> None:
+        """Keep the template's queue full while it is hot; empty it once it is cold."""
+        key = snapshot_name(template)
+        queue = self._ready.setdefault(key, collections.deque())
+        try:
+            while self._hot(key):
+                while len(queue) < self.size and self._hot(key):
+                    doc = await self.node.snapshots.resolve(key)
+                    if doc is None:
+                        return
+                    req = NewSandbox(template=template.template_id, timeout_s=MEMBER_TIMEOUT_S)
+                    actor = await self.node.restorer(doc, req, template=template)
+                    actor.hidden = actor.pooled = True
+                    await self.node._launch(actor)
+                    await actor.freeze_pooled()
+                    queue.append(actor)
+                wake = self._wake[key] = trio.Event()
+                with trio.move_on_after(HOT_FOR_S):
+                    await wake.wait()  # a take, or time to check whether it went cold
+        except Exception as exc:
+            log.warning("filling the pool of %s failed: %r", template.template_id, exc)
+        finally:
+            self._filling.discard(key)
+            if not self._hot(key):
+                while queue:
+                    await self._kill(queue.popleft())
+
+    async def _kill(self, actor: SandboxActor) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(60):
+            try:
+                await actor.mailbox.ask(Kill(), timeout=60)
+                await actor.stopped.wait()
+            except Exception:
+                pass
