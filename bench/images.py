@@ -339,14 +339,15 @@ def cpu_seconds(pid: int) -> float:
 def bench_reads(
     node: NodeProc, pairs: list[tuple[Path, Path]], out: dict[str, Throughput]
 ) -> dict[str, dict[str, float]]:
-    """Read (FUSE path, local path) pairs in three passes; bytes the node served in each.
+    """Read (FUSE path, local path) pairs in two passes; what the node did in each.
 
     cold: chunk files and local files dropped from the page cache beforehand;
-    warm: both in the page cache, the FUSE file's own pages dropped (the cold
-    pass drops them after reading), so each read goes through the node;
-    pagecache: the FUSE files again, from the kernel's page cache the warm pass
+    warm: both in the page cache, the FUSE file's own pages dropped (after
+    each read), so each read goes through the node; in this pass each FUSE
+    file is read a second time, from the kernel's page cache the first read
     left (the node mounts with keep_cache), as a second read in a sandbox is.
-    Per pass: MiB the node served, CPU seconds it spent, load average after.
+    Per pass: MiB the node served, CPU seconds it spent, chunk cache hits and
+    misses, MiB re-fetched from the registry, load average after.
     """
     buf = bytearray(MiB)
     served: dict[str, dict[str, float]] = {}
@@ -354,21 +355,27 @@ def bench_reads(
     drop_tree(node.home / "cache")
     for _fuse, local in pairs:
         drop_cached(local)
-    for phase in ("cold", "warm", "pagecache"):
-        before = metrics(node).get("aenv_image_fs_read_bytes_total", 0.0)
+    for phase in ("cold", "warm"):
+        before = metrics(node)
         cpu = cpu_seconds(node.proc.pid)
         for fuse, local in pairs:
-            size, secs = timed_read(fuse, buf, drop_after=phase != "warm")
+            size, secs = timed_read(fuse, buf, drop_after=phase == "cold")
             want = local.stat().st_size
             if size != want:
                 raise AssertionError(f"{fuse}: read {size} bytes, the unpacked file has {want}")
             out[f"fuse_{phase}"].add(size, secs)
-            if phase != "pagecache":
-                out[f"local_{phase}"].add(*timed_read(local, buf, drop_after=False))
+            if phase == "warm":
+                out["fuse_pagecache"].add(*timed_read(fuse, buf, drop_after=True))
+            out[f"local_{phase}"].add(*timed_read(local, buf, drop_after=False))
+        cpu = cpu_seconds(node.proc.pid) - cpu
+        after = metrics(node)
+        delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
         served[phase] = {
-            "node_served_mib": (metrics(node).get("aenv_image_fs_read_bytes_total", 0.0) - before)
-            / MiB,
-            "node_cpu_s": cpu_seconds(node.proc.pid) - cpu,
+            "node_served_mib": delta.get("aenv_image_fs_read_bytes_total", 0.0) / MiB,
+            "node_cpu_s": cpu,
+            "cache_hits": delta.get("aenv_image_cache_hits_total", 0.0),
+            "cache_misses": delta.get("aenv_image_cache_misses_total", 0.0),
+            "registry_mib": delta.get("aenv_image_registry_bytes_total", 0.0) / MiB,
             "loadavg_1m": os.getloadavg()[0],
         }
     return served
@@ -678,7 +685,9 @@ def report(res: Results, args: argparse.Namespace) -> str:
     for phase, v in res.served.items():
         lines.append(
             f"{phase}: the node served {v['node_served_mib']:.0f} MiB through FUSE using "
-            f"{v['node_cpu_s']:.1f} CPU s; load average after {v['loadavg_1m']:.2f}"
+            f"{v['node_cpu_s']:.1f} CPU s ({v['cache_hits']:.0f} chunk hits, "
+            f"{v['cache_misses']:.0f} misses, {v['registry_mib']:.0f} MiB re-fetched); "
+            f"load average after {v['loadavg_1m']:.2f}"
         )
     lines.append(
         f"load average at start {res.load[0][0]:.2f}, at end {res.load[-1][0]:.2f} "
