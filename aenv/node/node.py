@@ -256,6 +256,9 @@ class Node:
     async def resolve_template(self, name: str) -> Template:
         """The template `name` names; else, if it is an image reference, that image's.
 
+        An image reference must have a tag, digest or path (`ubuntu:22.04`,
+        `library/ubuntu`): a bare word is only ever a template name.
+
         An image is pulled if this node has not pulled that reference yet, and
         gets a template of its own (`img-` and its digest) so sandboxes started
         from it can be paused, snapshotted and forked like any other.
@@ -263,6 +266,10 @@ class Node:
         try:
             template = await trio.to_thread.run_sync(self.templates.resolve, name)
         except (TemplateNotFound, InvalidName) as not_template:
+            # A bare word is a template name (a typo must be "not found", not a
+            # Docker Hub lookup); an image reference has a tag, digest or path.
+            if not any(c in name for c in "/:@"):
+                raise
             try:
                 parse_reference(name)
             except InvalidReference:
