@@ -224,11 +224,30 @@ def pull(
     name: Annotated[str, Parameter(help="template name to create")],
     cpu: Annotated[int | None, Parameter(help="default vCPUs of the template")] = None,
     memory: Annotated[int | None, Parameter(help="default memory of the template, MB")] = None,
+    start_cmd: Annotated[
+        str | None,
+        Parameter(help="command running in every sandbox of the template (captured running)"),
+    ] = None,
+    image_cmd: Annotated[
+        bool, Parameter(negative="", help="run the image's Entrypoint + Cmd as the start command")
+    ] = False,
+    ready_cmd: Annotated[
+        str | None, Parameter(help="command that succeeds once the start command is ready")
+    ] = None,
     node: NodeOptions = _NODE,
 ) -> None:
     """Build a template from an OCI image."""
+    if image_cmd and start_cmd:
+        raise UsageError("give --start-cmd or --image-cmd, not both")
     with node.client() as c:
-        result = c.pull(image, name, cpu=cpu, memory=memory)
+        result = c.pull(
+            image,
+            name,
+            cpu=cpu,
+            memory=memory,
+            start_cmd=True if image_cmd else start_cmd,
+            ready_cmd=ready_cmd,
+        )
     print(render.dumps(result) if result is not None else name)
 
 

@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import shlex
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -36,8 +37,9 @@ from aenv.images.registry import (
     RegistryNotAllowed,
     UnsupportedImage,
 )
-from aenv.images.store import PullError
+from aenv.images.store import ImageRecord, PullError
 from aenv.kit.mailbox import ActorGone, Busy
+from aenv.node.builds import BuildSpec
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import (
     ExtendTimeout,
@@ -508,6 +510,8 @@ def create_app(node: Node) -> QuartTrio:
         info = _snapshot_info(doc)
         if doc.get("storageError") and info["storage"] != "durable":
             info["storageError"] = doc["storageError"]
+        if doc.get("upload"):
+            info["storageUpload"] = doc["upload"]  # what its upload added to the store
         info.update(
             {
                 "sourceSandboxID": doc.get("sourceSandboxID"),
@@ -608,7 +612,23 @@ def create_app(node: Node) -> QuartTrio:
         except PullError as e:
             raise _pull_error(e) from None
         out = record.to_api()
-        if name is not None:
+        start_cmd = body.get("startCmd")
+        ready_cmd = body.get("readyCmd")
+        if start_cmd is True:  # the image's own Entrypoint + Cmd, as `docker run` runs it
+            argv = [*record.config.entrypoint, *record.config.cmd]
+            if not argv:
+                raise ApiError(400, f"image {record.reference} has no Entrypoint or Cmd")
+            start_cmd = shlex.join(argv)
+        if start_cmd is not None or ready_cmd is not None:
+            if name is None:
+                raise ApiError(400, "startCmd and readyCmd need a template name")
+            for key, value in (("startCmd", start_cmd), ("readyCmd", ready_cmd)):
+                if value is not None and (not isinstance(value, str) or not value.strip()):
+                    raise ApiError(400, f"{key} must be a command (or startCmd: true)")
+            out["template"] = await _build_image_template(
+                node, record, name, start_cmd, ready_cmd, sizes
+            )
+        elif name is not None:
             try:
                 t = await trio.to_thread.run_sync(
                     functools.partial(
@@ -629,6 +649,29 @@ def create_app(node: Node) -> QuartTrio:
     exec_ws.register(app, node, error_response)
     builds.register(app, node)  # template builds (Template.build)
     return app
+
+
+async def _build_image_template(
+    node: Node,
+    record: ImageRecord,
+    name: str,
+    start_cmd: str | None,
+    ready_cmd: str | None,
+    sizes: dict[str, int],
+) -> dict[str, Any]:
+    """A template of `record` captured with `start_cmd` running: a build, awaited."""
+    build = await node.builds.request(
+        name,
+        cpu_count=sizes.get("cpuCount", node.config.default_cpu),
+        memory_mb=sizes.get("memoryMB", node.config.default_memory_mb),
+    )
+    ref = f"{record.registry}/{record.repository}@{record.manifest_digest}"
+    node.builds.start(build, BuildSpec(from_image=ref, start_cmd=start_cmd, ready_cmd=ready_cmd))
+    await build.done.wait()
+    if build.status != "ready":
+        raise ApiError(400, f"the template's start failed: {build.reason}")
+    t = await trio.to_thread.run_sync(node.templates.resolve, build.template_id)
+    return t.to_api()
 
 
 def _pull_error(exc: PullError) -> ApiError:

@@ -276,8 +276,21 @@ class Client:
     def delete_template(self, name: str) -> None:
         self.request("DELETE", f"/templates/{_seg(name)}", what=f"template delete {name}")
 
-    def pull(self, image: str, name: str, *, cpu: int | None, memory: int | None) -> Any:
+    def pull(
+        self,
+        image: str,
+        name: str,
+        *,
+        cpu: int | None,
+        memory: int | None,
+        start_cmd: str | bool | None = None,
+        ready_cmd: str | None = None,
+    ) -> Any:
         body: dict[str, Any] = {"image": image, "name": name}
+        if start_cmd is not None:
+            body["startCmd"] = start_cmd
+        if ready_cmd is not None:
+            body["readyCmd"] = ready_cmd
         if cpu is not None:
             body["cpuCount"] = cpu
         if memory is not None:

@@ -114,6 +114,7 @@ class Build:
     reason: str | None = None
     reason_step: str | None = None
     finished_at: float | None = None
+    done: trio.Event = field(default_factory=trio.Event)  # set once ready or error
     _truncated: bool = False
 
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
@@ -391,6 +392,7 @@ class Builds:
             build.finished_at = time.time()
             if build.status == "building":  # cancelled (node shutting down)
                 build.status, build.reason, build.reason_step = "error", "cancelled", step
+            build.done.set()
             with trio.CancelScope(shield=True):
                 if actor is not None:
                     await self._kill(actor)

@@ -8,6 +8,12 @@ into place, so a crash leaves either no snapshot or a whole one; images are
 verified against their checksums before a sandbox is restored from them.
 Names are reusable: a new snapshot under an existing name is a new build,
 and the name resolves to the newest.
+
+Each record carries `storage`: `local` (only on this node), `uploading`
+(being copied to the object store) or `durable` (its manifest is in the
+store). `storage_for` decides a new record's initial state and `on_delete`
+hears of deletions; both are set by the durable-storage actor
+(`aenv.node.durable`), which also `adopt`s snapshots restored from the store.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +80,16 @@ def _verify(image: Path, sums: dict[str, str]) -> None:
             raise CorruptSnapshot(f"snapshot image file {name} does not match its checksum")
 
 
+def _local_only(doc: dict[str, Any]) -> str:
+    return "local"
+
+
 class Snapshots:
     def __init__(self, root: Path, meta: Metadata) -> None:
         self.root = root
         self.meta = meta
+        self.storage_for: Callable[[dict[str, Any]], str] = _local_only
+        self.on_delete: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-*"):  # a crash mid-record left these
             shutil.rmtree(stale, ignore_errors=True)
@@ -105,8 +118,67 @@ class Snapshots:
             "image": str(final / "image") if image is not None else None,
             "checksums": sums,
         }
+        doc["storage"] = self.storage_for(doc)
         await self.meta.run(self.meta.store.put_snapshot, snap_id, doc.get("name"), now, doc)
         return doc
+
+    async def adopt(self, *, doc: dict[str, Any], staged: Path | None) -> dict[str, Any]:
+        """Record a snapshot brought from elsewhere under its own ID.
+
+        `staged` is a directory holding its memory image as `image/` (None:
+        filesystem only), renamed into place; local files of an earlier copy
+        are replaced. `doc` must carry snapshotID, createdAt and checksums.
+        """
+        snap_id = str(doc["snapshotID"])
+        final = self.root / snap_id
+
+        def place() -> None:
+            if final.exists():
+                doomed = self.root / f".tmp-{snap_id}-old"
+                shutil.rmtree(doomed, ignore_errors=True)
+                final.rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+            if staged is not None:
+                staged.rename(final)
+            else:
+                final.mkdir(parents=True)
+
+        await trio.to_thread.run_sync(place)
+        doc = {**doc, "image": str(final / "image") if staged is not None else None}
+        await self.meta.run(
+            self.meta.store.put_snapshot, snap_id, doc.get("name"), float(doc["createdAt"]), doc
+        )
+        return doc
+
+    async def update(self, snap_id: str, **fields: Any) -> dict[str, Any] | None:
+        """Set `fields` on a recorded snapshot; None (and nothing written) if it is gone."""
+        store = self.meta.store
+
+        def run() -> dict[str, Any] | None:
+            doc = store.get_snapshot(snap_id)
+            if doc is None:
+                return None
+            doc.update(fields)
+            store.put_snapshot(snap_id, doc.get("name"), float(doc["createdAt"]), doc)
+            return doc
+
+        return await self.meta.run(run)
+
+    def local_gaps(self, doc: dict[str, Any], layers_dir: Path) -> list[str]:
+        """What of `doc` is missing on disk (layers, image files); [] if whole (blocking)."""
+        gaps = [
+            f"layer {lid}"
+            for lid in doc.get("layers") or ()
+            if not (layers_dir / str(lid) / "layer.json").is_file()
+        ]
+        if doc.get("memory") and doc.get("image") is None:
+            gaps.append("memory image")
+        elif doc.get("image") is not None:
+            image = Path(doc["image"])
+            gaps += [
+                f"image file {n}" for n in doc.get("checksums") or {} if not (image / n).is_file()
+            ]
+        return gaps
 
     async def resolve(self, name_or_id: str) -> dict[str, Any] | None:
         doc = await self.meta.run(self.meta.store.get_snapshot, name_or_id)
@@ -125,8 +197,11 @@ class Snapshots:
         return await self.meta.run(self.meta.store.list_snapshots)
 
     async def delete(self, snap_id: str) -> None:
+        doc = await self.meta.run(self.meta.store.get_snapshot, snap_id)
         await self.meta.run(self.meta.store.delete_snapshot, snap_id)
         await trio.to_thread.run_sync(shutil.rmtree, self.root / snap_id, True)
+        if doc is not None and self.on_delete is not None:
+            await self.on_delete(doc)
 
     async def layer_ids(self) -> set[str]:
         return {lid for d in await self.list() for lid in d.get("layers", [])}

@@ -167,6 +167,37 @@ class LayerStore:
             layer_id, staging, below=below.ids(), base=below.base, moved_from=upper
         )
 
+    # -- layers brought from elsewhere (the object store) -----------------
+
+    def new_staging(self) -> Path:
+        """A new empty directory to build a layer's `tree` in (a crash leaves it to clean up)."""
+        return self._staging()[1]
+
+    async def adopt(
+        self, staging: Path, layer_id: str, *, below: Sequence[str], base: Sequence[Path]
+    ) -> Layer:
+        """Publish `staging/tree` (from `new_staging`) as layer `layer_id`.
+
+        For layers restored from elsewhere, which keep their id. If the store
+        already has `layer_id`, the staging directory is discarded and the
+        existing layer returned.
+        """
+        async with self._lock:
+            if layer_id in await trio.to_thread.run_sync(self.ids):
+                await trio.to_thread.run_sync(_rmtree, staging)
+                return self.get(layer_id)
+            _read_layer_id_check(layer_id)
+            await trio.to_thread.run_sync(_syncfs, staging / _TREE)
+            return await trio.to_thread.run_sync(
+                lambda: self._publish(
+                    layer_id,
+                    staging,
+                    below=tuple(below),
+                    base=tuple(Path(p) for p in base),
+                    moved_from=None,
+                )
+            )
+
     # -- compaction --------------------------------------------------------
 
     async def compact(self, stack: LayerStack) -> Layer:
@@ -282,9 +313,13 @@ class LayerStore:
 # -- metadata -----------------------------------------------------------------
 
 
-def _read_layer(layers_dir: Path, layer_id: str) -> Layer:
+def _read_layer_id_check(layer_id: str) -> None:
     if not layer_id or "/" in layer_id or layer_id.startswith("."):
         raise LayerError(f"bad layer id {layer_id!r}")
+
+
+def _read_layer(layers_dir: Path, layer_id: str) -> Layer:
+    _read_layer_id_check(layer_id)
     try:
         meta = json.loads((layers_dir / layer_id / _META).read_text())
     except FileNotFoundError:

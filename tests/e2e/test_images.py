@@ -36,6 +36,7 @@ from tests.conftest import (
     start_node,
     stop_node,
 )
+from tests.e2e.counter import counts_on
 from tests.registry import (
     Layer,
     LocalRegistry,
@@ -336,30 +337,44 @@ def test_first_command_reads_a_small_fraction_of_a_big_image(
         s.kill()
 
 
+@pytest.mark.parametrize(
+    ("limit_mb", "count", "image_mb", "compression"),
+    [
+        pytest.param(64, 4, 96, "none", id="64MiB-cache-4x96MiB"),
+        # the issue's sizes: a 256 MiB cache, images totalling about 3 GiB
+        pytest.param(256, 6, 512, "zstd", id="256MiB-cache-6x512MiB", marks=pytest.mark.slow),
+    ],
+)
 def test_a_bounded_cache_serves_images_far_larger_than_itself(
-    registry: LocalRegistry, monkeypatch: pytest.MonkeyPatch
+    registry: LocalRegistry,
+    monkeypatch: pytest.MonkeyPatch,
+    limit_mb: int,
+    count: int,
+    image_mb: int,
+    compression: str,
 ) -> None:
-    """64 MiB of cache, four 96 MiB images, sandboxes started one after another.
+    """A small cache, several images far larger, sandboxes started one after another.
 
     The first sandbox keeps running while the others push its chunks out;
-    it still reads every one of its files correctly (re-cut from the registry).
+    it still reads every one of its files correctly (re-cut from the registry),
+    and the cache never holds more than its limit plus one chunk.
     """
     home = built_home()
     assert home is not None
-    limit = 64 * 2**20
+    limit = limit_mb * 2**20
     images = [
         push_big_image(
             registry,
             "fill",
-            f"v{i}",
-            total_mb=96,
+            f"{limit_mb}-v{i}",
+            total_mb=image_mb,
             files=6,
             layers=2,
-            compression="none",
+            compression=compression,  # type: ignore[arg-type]
             seed=100 + i,
             base=[busybox_layer()],
         )
-        for i in range(4)
+        for i in range(count)
     ]
     private = Path(tempfile.mkdtemp(prefix="aenv-test-cache-"))
     link_home(home, private)
@@ -512,3 +527,33 @@ def test_a_node_killed_mid_pull_recovers(
         left = leaks(private, PREFIX)
         shutil.rmtree(private, ignore_errors=True)
         assert not left, left
+
+
+def test_pull_with_the_image_command_running(node: NodeProc, registry: LocalRegistry) -> None:
+    """`startCmd: true` runs the image's Entrypoint + Cmd and captures it running."""
+    config = {
+        "Entrypoint": ["/bin/sh", "-c"],
+        "Cmd": ["i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"],
+    }
+    img = push_busybox(registry, "service", "1", config=config)
+    with api(node) as c:
+        r = c.post(
+            "/images",
+            json={
+                "image": img.ref,
+                "name": "with-service",
+                "startCmd": True,
+                "readyCmd": "test -s /tmp/counter",
+            },
+        )
+        assert r.status_code == 201, r.text
+        assert r.json()["template"]["aliases"] == ["with-service"]
+        bad = c.post("/images", json={"image": img.ref, "startCmd": True})
+        assert bad.status_code == 400  # a start command needs a template name
+    s = Sandbox.create("with-service", timeout=60)
+    try:
+        counts_on(s)  # the image's command came back running
+    finally:
+        s.kill()
+    with api(node) as c:
+        assert c.delete("/templates/with-service").status_code == 204

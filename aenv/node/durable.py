@@ -1,0 +1,372 @@
+"""Durable snapshots: the node's uploads to the object store and restores from it.
+
+`Durable` owns the node's `ObjectStore` (`Config.effective_store_url`; none
+when durable storage is off) and, in the node's nursery, one supervised,
+cancellable upload task per snapshot: a new snapshot is recorded
+`uploading` (in the same SQLite write as the rest of its record, so a crash
+cannot lose the intent), its task uploads it with
+`aenv.storage.snapstore.upload_snapshot` under a node-wide bound on
+concurrent uploads, retries with capped exponential backoff for as long as
+the node lives when the store fails, and marks it `durable` once the
+manifest is written. On start, every snapshot still `uploading` resumes
+(uploads are idempotent: blobs already there are skipped). Internal
+snapshots (a template's warm snapshot) stay `local`.
+
+Restores: `locate` finds a snapshot this node does not know in the store
+(by ID, or by name through its name pointer; a template of that name wins),
+and `ensure_local` brings back whatever of a snapshot is missing on disk -
+layers into the `LayerStore` under their own IDs, the memory image into
+the snapshot directory - staged in temporary directories and published
+only once every object is fetched and verified. Failures become
+`CorruptSnapshot` with a message naming the snapshot and the object.
+Deleting a snapshot removes its manifest and name pointer, then a
+background mark-and-sweep (`collect`) deletes the blobs nothing references
+any more once older than the grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot
+from aenv.node.warm import is_internal
+from aenv.proto.ids import InvalidName, check_name
+from aenv.storage.layers import LayerError
+from aenv.storage.objstore import ObjectStore, StoreError, StoreUnavailable, open_object_store
+from aenv.storage.snapstore import (
+    GcReport,
+    LocalLayer,
+    Manifest,
+    SnapshotUnavailable,
+    collect_garbage,
+    delete_snapshot,
+    download_image,
+    fetch_manifest,
+    materialise_layer,
+    upload_snapshot,
+)
+from aenv.storage.templates import Template, TemplateNotFound
+
+if TYPE_CHECKING:
+    from aenv.node.node import Node
+
+log = logging.getLogger("aenv.durable")
+
+UPLOAD_CONCURRENCY = 2  # snapshots uploading at once
+RETRY_BASE_S = 0.5
+RETRY_MAX_S = 10.0
+WAIT_DURABLE_S = 600.0
+
+
+class Durable:
+    def __init__(self, node: Node, nursery: trio.Nursery) -> None:
+        self.node = node
+        url = node.config.effective_store_url
+        self.store: ObjectStore | None = open_object_store(url) if url else None
+        self.grace_s = node.config.store_gc_grace_s
+        self._nursery = nursery
+        self._uploads: dict[str, trio.CancelScope] = {}
+        self._done: dict[str, trio.Event] = {}
+        self._ended: dict[str, trio.Event] = {}
+        self._limiter = trio.CapacityLimiter(UPLOAD_CONCURRENCY)
+        self._restoring: dict[str, trio.Lock] = {}
+        self._found: dict[str, Manifest] = {}
+        self._gc_lock = trio.Lock()
+        self._gc_again = False
+        node.snapshots.storage_for = self._initial_storage
+        node.snapshots.on_delete = self._deleted
+
+    # -- uploads -------------------------------------------------------------------
+
+    def _initial_storage(self, doc: dict[str, Any]) -> str:
+        return "uploading" if self.store is not None and not is_internal(doc) else "local"
+
+    def spawn(self, doc: dict[str, Any]) -> None:
+        """Start uploading a snapshot recorded `uploading` (no-op otherwise)."""
+        snap_id = str(doc["snapshotID"])
+        if self.store is None or doc.get("storage") != "uploading" or snap_id in self._uploads:
+            return
+        scope = trio.CancelScope()
+        self._uploads[snap_id] = scope
+        self._ended[snap_id] = trio.Event()
+        self._nursery.start_soon(self._upload, snap_id, scope)
+
+    async def resume(self) -> None:
+        """Restart the uploads an earlier node process left unfinished."""
+        for doc in await self.node.snapshots.list():
+            if doc.get("storage") == "uploading":
+                if self.store is None:
+                    await self.node.snapshots.update(str(doc["snapshotID"]), storage="local")
+                    continue
+                log.info("resuming the upload of snapshot %s", doc["snapshotID"])
+                self.spawn(doc)
+
+    async def _upload(self, snap_id: str, scope: trio.CancelScope) -> None:
+        assert self.store is not None
+        delay = RETRY_BASE_S
+        try:
+            with scope:
+                while True:
+                    doc = await self.node.meta.run(self.node.meta.store.get_snapshot, snap_id)
+                    if doc is None:
+                        return  # deleted
+                    try:
+                        async with self._limiter:
+                            report = await self._upload_once(doc)
+                    except StoreError as exc:
+                        level = (
+                            logging.WARNING if isinstance(exc, StoreUnavailable) else logging.ERROR
+                        )
+                        log.log(
+                            level,
+                            "upload of snapshot %s failed, retrying in %.1fs: %s",
+                            snap_id,
+                            delay,
+                            exc,
+                        )
+                        await self.node.snapshots.update(snap_id, storageError=str(exc))
+                        await trio.sleep(delay)
+                        delay = min(RETRY_MAX_S, delay * 2)
+                        continue
+                    except (OSError, LayerError) as exc:
+                        log.error("snapshot %s cannot be uploaded: %r", snap_id, exc)
+                        await self.node.snapshots.update(
+                            snap_id, storage="local", storageError=f"cannot upload: {exc}"
+                        )
+                        return
+                    await self.node.snapshots.update(
+                        snap_id,
+                        storage="durable",
+                        storageError=None,
+                        upload={
+                            "bytes": report.bytes_uploaded,
+                            "layerBytes": report.layer_bytes,
+                            "imageBytes": report.image_bytes,
+                            "blobs": report.blobs,
+                            "uploadedBlobs": report.uploaded,
+                        },
+                    )
+                    log.info(
+                        "snapshot %s is durable: %d of %d blobs uploaded, %d bytes",
+                        snap_id,
+                        report.uploaded,
+                        report.blobs,
+                        report.bytes_uploaded,
+                    )
+                    return
+        except Exception:
+            log.exception("the upload of snapshot %s crashed", snap_id)
+        finally:
+            self._uploads.pop(snap_id, None)
+            for events in (self._done, self._ended):
+                ev = events.pop(snap_id, None)
+                if ev is not None:
+                    ev.set()
+
+    async def _upload_once(self, doc: dict[str, Any]) -> Any:
+        assert self.store is not None
+        layers = self.node.layers
+        stack = []
+        for lid in doc.get("layers") or ():
+            layer = await trio.to_thread.run_sync(layers.get, str(lid))
+            stack.append(LocalLayer(id=layer.id, below=layer.below, tree=layer.path))
+        image = Path(doc["image"]) if doc.get("image") else None
+        return await upload_snapshot(
+            self.store,
+            snapshot_id=str(doc["snapshotID"]),
+            record=doc,
+            layers=stack,
+            image=image,
+            checksums=dict(doc.get("checksums") or {}),
+        )
+
+    async def wait_durable(
+        self, snap_id: str, *, within_s: float = WAIT_DURABLE_S
+    ) -> dict[str, Any]:
+        """The snapshot's record once it is no longer `uploading` (or once `within_s` pass)."""
+        doc: dict[str, Any] | None = None
+        with trio.move_on_after(within_s):
+            while True:
+                ev = self._done.setdefault(snap_id, trio.Event())
+                doc = await self.node.meta.run(self.node.meta.store.get_snapshot, snap_id)
+                if doc is None:
+                    raise CorruptSnapshot(f"snapshot {snap_id} was deleted")
+                if doc.get("storage") != "uploading" or snap_id not in self._uploads:
+                    return doc
+                await ev.wait()
+        assert doc is not None
+        return doc
+
+    # -- restores ------------------------------------------------------------------
+
+    async def locate(self, name_or_id: str) -> dict[str, Any] | None:
+        """A snapshot record from the store for a name or ID this node has no record of."""
+        if self.store is None:
+            return None
+        by_id = name_or_id.startswith(SNAPSHOT_PREFIX)
+        if not by_id:
+            try:
+                check_name(name_or_id, "snapshot name")
+            except InvalidName:
+                return None  # an image reference, say: never a stored name
+            try:
+                await trio.to_thread.run_sync(self.node.templates.resolve, name_or_id)
+                return None  # a template of that name wins
+            except (TemplateNotFound, InvalidName):
+                pass
+        try:
+            m = await fetch_manifest(self.store, name_or_id, by_id=by_id)
+            if m is None and by_id:
+                m = await fetch_manifest(self.store, name_or_id, by_id=False)
+        except StoreUnavailable as exc:
+            if by_id:
+                raise CorruptSnapshot(f"snapshot {name_or_id} cannot be looked up: {exc}") from None
+            log.warning("cannot look up %r in the object store: %s", name_or_id, exc)
+            return None
+        except SnapshotUnavailable as exc:
+            raise CorruptSnapshot(str(exc)) from None
+        if m is None:
+            return None
+        self._found[m.snapshot_id] = m
+        return {
+            **m.record,
+            "snapshotID": m.snapshot_id,
+            "image": None,
+            "checksums": {f.name: f.sha256 for f in m.image or ()},
+            "storage": "durable",
+        }
+
+    async def ensure_local(self, doc: dict[str, Any], template: Template) -> dict[str, Any]:
+        """`doc` if its layers and image are all on disk, else a restored copy of it."""
+        snap_id = str(doc["snapshotID"])
+        snapshots, layers = self.node.snapshots, self.node.layers
+        gaps = await trio.to_thread.run_sync(snapshots.local_gaps, doc, layers.layers_dir)
+        if not gaps:
+            return doc
+        if self.store is None:
+            raise CorruptSnapshot(f"snapshot {snap_id} lacks {', '.join(gaps)} on this node")
+        lock = self._restoring.setdefault(snap_id, trio.Lock())
+        async with lock:
+            local = await self.node.meta.run(self.node.meta.store.get_snapshot, snap_id)
+            if local is not None and not await trio.to_thread.run_sync(
+                snapshots.local_gaps, local, layers.layers_dir
+            ):
+                return local  # restored by a concurrent create
+            try:
+                m = self._found.pop(snap_id, None) or await fetch_manifest(
+                    self.store, snap_id, by_id=True
+                )
+                if m is None:
+                    raise CorruptSnapshot(
+                        f"snapshot {snap_id} lacks {', '.join(gaps)} on this node and is not "
+                        f"in the object store {self.store.where}"
+                    )
+                restored = await self._restore(m, template)
+            except (SnapshotUnavailable, StoreError) as exc:
+                raise CorruptSnapshot(f"snapshot {snap_id}: {exc}") from None
+        self._restoring.pop(snap_id, None)
+        return restored
+
+    async def _restore(self, m: Manifest, template: Template) -> dict[str, Any]:
+        assert self.store is not None
+        layers, snapshots = self.node.layers, self.node.snapshots
+        present = await trio.to_thread.run_sync(layers.ids)
+        staged: list[tuple[Path, Any]] = []
+        image_dir: Path | None = None
+        start = trio.current_time()
+        try:
+            for sl in m.layers:
+                if sl.id in present:
+                    continue
+                staging = await trio.to_thread.run_sync(layers.new_staging)
+                staged.append((staging, sl))
+                await materialise_layer(self.store, m.snapshot_id, sl, staging / "tree")
+            sums: dict[str, str] = {}
+            if m.image is not None:
+                image_dir = snapshots.root / f".tmp-{m.snapshot_id}-{secrets.token_hex(4)}"
+                await trio.to_thread.run_sync(image_dir.mkdir)
+                sums = await download_image(self.store, m, image_dir / "image")
+            for staging, sl in staged:
+                await layers.adopt(staging, sl.id, below=sl.below, base=[template.rootfs])
+            staged.clear()
+            doc = await snapshots.adopt(
+                doc={
+                    **m.record,
+                    "snapshotID": m.snapshot_id,
+                    "checksums": sums,
+                    "storage": "durable",
+                },
+                staged=image_dir,
+            )
+            image_dir = None
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for staging, _sl in staged:
+                    await trio.to_thread.run_sync(_remove, staging)
+                if image_dir is not None:
+                    await trio.to_thread.run_sync(_remove, image_dir)
+            raise
+        log.info(
+            "restored snapshot %s from the object store in %.2fs",
+            m.snapshot_id,
+            trio.current_time() - start,
+        )
+        return doc
+
+    # -- deletion and garbage collection --------------------------------------------------
+
+    async def _deleted(self, doc: dict[str, Any]) -> None:
+        snap_id = str(doc["snapshotID"])
+        scope = self._uploads.get(snap_id)
+        if scope is not None:
+            ended = self._ended.get(snap_id)
+            scope.cancel()
+            if ended is not None:
+                await ended.wait()
+        if self.store is None or doc.get("storage", "local") == "local":
+            return
+        try:
+            await delete_snapshot(self.store, snap_id, doc.get("name"))
+        except StoreError as exc:
+            log.error("snapshot %s stays in the object store: %s", snap_id, exc)
+            return
+        self._nursery.start_soon(self.collect)
+
+    async def collect(self) -> GcReport | None:
+        """One mark-and-sweep of the store (coalesced: one more run if asked meanwhile)."""
+        if self.store is None:
+            return None
+        if self._gc_lock.locked():
+            self._gc_again = True
+            return None
+        report: GcReport | None = None
+        async with self._gc_lock:
+            while True:
+                self._gc_again = False
+                try:
+                    report = await collect_garbage(self.store, grace_s=self.grace_s)
+                    log.info(
+                        "store gc: %d manifests, %d blobs, %d deleted (%d bytes), %d young kept",
+                        report.manifests,
+                        report.blobs,
+                        report.deleted,
+                        report.bytes_deleted,
+                        report.kept_young,
+                    )
+                except (StoreError, SnapshotUnavailable) as exc:
+                    log.error("store garbage collection failed: %s", exc)
+                if not self._gc_again:
+                    return report
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.chmod(0o700)
+    shutil.rmtree(path, ignore_errors=True)

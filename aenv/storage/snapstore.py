@@ -1,0 +1,847 @@
+"""Snapshots in the object store: layout, upload, download, garbage collection.
+
+A snapshot goes to the store as content-addressed blobs plus one manifest.
+Each frozen layer of its stack is described by a `LayerIndex`
+(`aenv.proto.layerindex`: entries with modes, owners, times, xattrs, link
+targets; whiteouts as WHITEOUT entries, opaque directories as OPAQUE ones),
+serialised to JSON and stored as a blob itself; every regular file's content
+is cut at fixed 1 MiB offsets into chunk blobs (`Chunk.offset` is the offset
+in the file). The memory image's files are cut the same way, with a chunk
+list per file. Blobs are only written when absent, so content shared by
+snapshots (lower layers, unchanged files) is uploaded once. The layout:
+
+    blobs/sha256/<2 hex>/<64 hex>   chunks and layer indexes (objstore)
+    pending/<snapshot id>.json      the manifest of an upload in progress
+    snapshots/<snapshot id>.json    the manifest of a complete snapshot
+    names/<name>                    {"snapshotID", "createdAt"} of a name's newest
+
+`upload_snapshot` hashes everything first, writes the pending manifest (so
+a collector sees the blobs it is about to reference), uploads the missing
+blobs (each layer's chunks before its index), then writes the manifest, the
+name pointer, and removes the pending one: a snapshot is visible in the
+store only once complete. `fetch_manifest`, `materialise_layer` and
+`download_image` bring one back; every blob read is verified against its
+digest and any missing, corrupt or malformed object raises
+`SnapshotUnavailable` naming the snapshot and the object. Callers stage
+into temporary directories and rename last. `collect_garbage` is a
+mark-and-sweep: blobs no manifest (complete or pending) references and
+older than a grace period are deleted; two collectors at once only delete
+the same unreferenced blobs twice, and young blobs of uploads in flight
+survive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import functools
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from aenv.proto.layerindex import (
+    CHUNK_SIZE,
+    BadIndex,
+    Chunk,
+    Entry,
+    Kind,
+    LayerIndex,
+    dumps,
+    loads,
+)
+from aenv.storage.objstore import (
+    BLOB_PREFIX,
+    CorruptObject,
+    ObjectNotFound,
+    ObjectStore,
+    StoreUnavailable,
+    blob_key,
+)
+
+MANIFEST_PREFIX = "snapshots"
+PENDING_PREFIX = "pending"
+NAME_PREFIX = "names"
+MANIFEST_VERSION = 1
+LAYER_MEDIA_TYPE = "application/vnd.aenv.frozen-layer.v1+json"
+# Fields of a snapshot record that travel with it (the rest are local paths and state).
+PORTABLE_FIELDS = (
+    "name",
+    "names",
+    "sourceSandboxID",
+    "templateID",
+    "layers",
+    "memory",
+    "cpuCount",
+    "memoryMB",
+    "envdToken",
+    "createdAt",
+)
+_OVL_PREFIX = "trusted.overlay."
+_OPAQUE = "trusted.overlay.opaque"
+DEFAULT_PENDING_TTL_S = 7 * 24 * 3600.0
+
+
+class SnapshotUnavailable(Exception):
+    """A snapshot cannot be restored from the store: an object is missing, corrupt or malformed."""
+
+
+class BadManifest(ValueError):
+    """A manifest is not one this version understands."""
+
+
+def manifest_key(snapshot_id: str) -> str:
+    return f"{MANIFEST_PREFIX}/{snapshot_id}.json"
+
+
+def pending_key(snapshot_id: str) -> str:
+    return f"{PENDING_PREFIX}/{snapshot_id}.json"
+
+
+def name_key(name: str) -> str:
+    return f"{NAME_PREFIX}/{name}"
+
+
+# -- manifests ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredLayer:
+    id: str
+    below: tuple[str, ...]
+    index: str  # digest of the layer index blob
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageFile:
+    name: str
+    size: int
+    sha256: str  # hex digest of the whole file (the local checksum)
+    chunks: tuple[str, ...]  # digests of its CHUNK_SIZE pieces, in order
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    snapshot_id: str
+    record: dict[str, Any]  # the portable fields of the snapshot record
+    layers: tuple[StoredLayer, ...]  # topmost first
+    image: tuple[ImageFile, ...] | None  # None: a filesystem-only snapshot
+    blobs: tuple[str, ...]  # every blob it references, sorted (what GC marks)
+
+    @property
+    def name(self) -> str | None:
+        name = self.record.get("name")
+        return name if isinstance(name, str) else None
+
+    @property
+    def created_at(self) -> float:
+        return float(self.record.get("createdAt") or 0.0)
+
+
+def dump_manifest(m: Manifest) -> bytes:
+    doc = {
+        "version": MANIFEST_VERSION,
+        "snapshotID": m.snapshot_id,
+        "record": m.record,
+        "layers": [{"id": la.id, "below": list(la.below), "index": la.index} for la in m.layers],
+        "image": None
+        if m.image is None
+        else [
+            {"name": f.name, "size": f.size, "sha256": f.sha256, "chunks": list(f.chunks)}
+            for f in m.image
+        ],
+        "blobs": list(m.blobs),
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _digest(raw: Any, what: str) -> str:
+    if not isinstance(raw, str):
+        raise BadManifest(f"{what} is not a digest")
+    try:
+        blob_key(raw)
+    except ValueError:
+        raise BadManifest(f"{what} {raw!r} is not a sha256 digest") from None
+    return raw
+
+
+def _safe_name(raw: Any, what: str) -> str:
+    if not isinstance(raw, str) or not raw or "/" in raw or raw in (".", "..") or "\0" in raw:
+        raise BadManifest(f"{what} {raw!r} is not a plain name")
+    return raw
+
+
+def load_manifest(raw: bytes) -> Manifest:
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadManifest(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
+        raise BadManifest("not a version 1 snapshot manifest")
+    try:
+        record = doc["record"]
+        if not isinstance(record, dict):
+            raise BadManifest("record is not an object")
+        layers = tuple(
+            StoredLayer(
+                id=_safe_name(la["id"], "layer id"),
+                below=tuple(_safe_name(b, "layer id") for b in la["below"]),
+                index=_digest(la["index"], "layer index"),
+            )
+            for la in doc["layers"]
+        )
+        image = None
+        if doc["image"] is not None:
+            image = tuple(
+                ImageFile(
+                    name=_safe_name(f["name"], "image file"),
+                    size=int(f["size"]),
+                    sha256=str(f["sha256"]),
+                    chunks=tuple(_digest(c, "image chunk") for c in f["chunks"]),
+                )
+                for f in doc["image"]
+            )
+        blobs = tuple(_digest(b, "blob") for b in doc["blobs"])
+        return Manifest(
+            snapshot_id=_safe_name(doc["snapshotID"], "snapshot id"),
+            record=record,
+            layers=layers,
+            image=image,
+            blobs=blobs,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, BadManifest):
+            raise
+        raise BadManifest(f"malformed manifest: {exc!r}") from None
+
+
+# -- indexing (blocking) --------------------------------------------------------------
+
+
+def _xattrs(path: str) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listxattr(path, follow_symlinks=False):
+            if name.startswith(_OVL_PREFIX):
+                continue
+            with contextlib.suppress(OSError):
+                out[name] = os.getxattr(path, name, follow_symlinks=False)
+    return out
+
+
+def _is_opaque(path: str) -> bool:
+    try:
+        return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def file_chunks(path: Path | str) -> tuple[Chunk, ...]:
+    """The fixed-offset CHUNK_SIZE pieces of a file, hashed (blocking)."""
+    chunks: list[Chunk] = []
+    with open(path, "rb") as f:
+        offset = 0
+        while block := f.read(CHUNK_SIZE):
+            chunks.append(Chunk("sha256:" + hashlib.sha256(block).hexdigest(), len(block), offset))
+            offset += len(block)
+    return tuple(chunks)
+
+
+def read_piece(path: Path | str, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
+def index_layer(tree: Path) -> LayerIndex:
+    """Describe a frozen overlay upper directory as a LayerIndex (blocking).
+
+    Whiteouts (0/0 character devices) become WHITEOUT entries and the opaque
+    xattr an OPAQUE entry after its directory; a regular file with several
+    links appears once as a FILE, then as HARDLINKs to that path. Sockets
+    are left out (nothing can restore one).
+    """
+    entries: list[Entry] = []
+    seen: dict[tuple[int, int], str] = {}
+
+    def node(path: str, kind: Kind, st: os.stat_result, full: str, **kw: Any) -> Entry:
+        return Entry(
+            path=path,
+            kind=kind,
+            mode=stat.S_IMODE(st.st_mode),
+            uid=st.st_uid,
+            gid=st.st_gid,
+            mtime_ns=st.st_mtime_ns,
+            xattrs=_xattrs(full),
+            **kw,
+        )
+
+    def walk(rel: str, full: str) -> None:
+        for name in sorted(os.listdir(full)):
+            p = f"{rel}/{name}" if rel else name
+            f = os.path.join(full, name)
+            st = os.lstat(f)
+            mode = st.st_mode
+            if stat.S_ISCHR(mode) and st.st_rdev == 0:
+                entries.append(Entry(path=p, kind=Kind.WHITEOUT))
+            elif stat.S_ISDIR(mode):
+                entries.append(node(p, Kind.DIR, st, f))
+                if _is_opaque(f):
+                    entries.append(Entry(path=p, kind=Kind.OPAQUE))
+                walk(p, f)
+            elif stat.S_ISREG(mode):
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and key in seen:
+                    entries.append(Entry(path=p, kind=Kind.HARDLINK, link=seen[key]))
+                    continue
+                seen[key] = p
+                entries.append(node(p, Kind.FILE, st, f, size=st.st_size, chunks=file_chunks(f)))
+            elif stat.S_ISLNK(mode):
+                entries.append(node(p, Kind.SYMLINK, st, f, link=os.readlink(f)))
+            elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode):
+                kind = (
+                    Kind.CHAR
+                    if stat.S_ISCHR(mode)
+                    else Kind.BLOCK
+                    if stat.S_ISBLK(mode)
+                    else Kind.FIFO
+                )
+                dev = {"devmajor": os.major(st.st_rdev), "devminor": os.minor(st.st_rdev)}
+                entries.append(node(p, kind, st, f, **dev))
+
+    root = str(tree)
+    entries.append(node("", Kind.DIR, os.lstat(root), root))
+    if _is_opaque(root):
+        entries.append(Entry(path="", kind=Kind.OPAQUE))
+    walk("", root)
+    return LayerIndex(
+        digest="", diff_id="", media_type=LAYER_MEDIA_TYPE, size=0, entries=tuple(entries)
+    )
+
+
+def _check_rel(path: str) -> str:
+    if path.startswith("/") or any(seg in ("", ".", "..") for seg in path.split("/")):
+        raise BadIndex(f"unsafe path {path!r} in a layer index")
+    return path
+
+
+def build_skeleton(index: LayerIndex, tree: Path) -> list[tuple[Path, Chunk]]:
+    """Create every entry but file contents and hard links; return the pieces to fill.
+
+    Files are created empty at their final size; metadata comes later
+    (`finish_tree`), once contents are written. Blocking.
+    """
+    pieces: list[tuple[Path, Chunk]] = []
+    tree.mkdir(mode=0o700)
+    for e in index.entries:
+        if e.path == "":
+            continue
+        dest = tree / _check_rel(e.path)
+        if e.kind is Kind.DIR:
+            dest.mkdir(mode=0o700)
+        elif e.kind is Kind.FILE:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, e.size)
+            finally:
+                os.close(fd)
+            pieces.extend((dest, c) for c in e.chunks)
+        elif e.kind is Kind.SYMLINK:
+            os.symlink(e.link, dest)
+        elif e.kind is Kind.WHITEOUT:
+            os.mknod(dest, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+        elif e.kind in (Kind.CHAR, Kind.BLOCK, Kind.FIFO):
+            fmt = {Kind.CHAR: stat.S_IFCHR, Kind.BLOCK: stat.S_IFBLK, Kind.FIFO: stat.S_IFIFO}
+            os.mknod(dest, fmt[e.kind] | 0o600, os.makedev(e.devmajor, e.devminor))
+    return pieces
+
+
+def write_piece(path: Path, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def finish_tree(index: LayerIndex, tree: Path) -> None:
+    """Hard links, owners, modes, xattrs, opaque markers and times (blocking)."""
+    by_path = {e.path: e for e in index.entries if e.kind not in (Kind.OPAQUE, Kind.HARDLINK)}
+    for e in index.entries:
+        dest = tree / e.path if e.path else tree
+        if e.kind is Kind.HARDLINK:
+            os.link(tree / _check_rel(e.link), dest)
+        elif e.kind is Kind.OPAQUE:
+            os.setxattr(dest, _OPAQUE, b"y", follow_symlinks=False)
+        elif e.kind is not Kind.WHITEOUT:
+            os.chown(dest, e.uid, e.gid, follow_symlinks=False)
+            if e.kind is not Kind.SYMLINK:
+                os.chmod(dest, e.mode)
+            for name, value in e.xattrs.items():
+                os.setxattr(dest, name, value, follow_symlinks=False)
+    # times last, children before parents, so writing an entry never bumps its directory's
+    for path in sorted(by_path, key=lambda p: p.count("/") if p else -1, reverse=True):
+        e = by_path[path]
+        if e.kind is Kind.WHITEOUT:
+            continue
+        dest = tree / path if path else tree
+        os.utime(dest, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+
+
+def _fsync_tree(tree: Path) -> None:
+    for dirpath, _dirs, files in os.walk(tree):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p) or not os.path.isfile(p):
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# -- uploading ----------------------------------------------------------------------
+
+
+def _leaves(eg: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in eg.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+@contextlib.contextmanager
+def _one_error() -> Iterator[None]:
+    """Let the first real failure of a nursery of parallel transfers out on its own."""
+    try:
+        yield
+    except BaseExceptionGroup as eg:
+        real = [e for e in _leaves(eg) if not isinstance(e, trio.Cancelled)]
+        if not real:
+            raise
+        raise real[0] from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalLayer:
+    """A frozen layer to upload: its id, what it was frozen over, its tree."""
+
+    id: str
+    below: tuple[str, ...]
+    tree: Path
+
+
+@dataclass
+class UploadReport:
+    blobs: int = 0  # referenced
+    uploaded: int = 0  # written by this upload (absent before)
+    bytes_uploaded: int = 0
+    layer_bytes: int = 0  # of those, file contents and layer indexes
+    image_bytes: int = 0  # of those, memory image chunks
+
+
+# Layer indexes computed by this process, by layer id and tree (layers are immutable).
+_index_cache: dict[tuple[str, str], tuple[LayerIndex, bytes, str]] = {}
+
+
+def _encoded_index(layer: LocalLayer) -> tuple[LayerIndex, bytes, str]:
+    key = (layer.id, str(layer.tree))
+    cached = _index_cache.get(key)
+    if cached is not None:
+        return cached
+    index = index_layer(layer.tree)
+    raw = dumps(index)
+    digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+    _index_cache[key] = (index, raw, digest)
+    return index, raw, digest
+
+
+async def _put_missing(
+    store: ObjectStore, digest: str, read: Callable[[], bytes], limiter: trio.CapacityLimiter
+) -> int:
+    """Upload a blob unless the store has it; the bytes written (0 if present)."""
+    if await store.has_blob(digest):
+        return 0
+    data = await trio.to_thread.run_sync(read, limiter=limiter)
+    await store.put_blob(data, digest=digest)
+    return len(data)
+
+
+async def upload_snapshot(
+    store: ObjectStore,
+    *,
+    snapshot_id: str,
+    record: dict[str, Any],
+    layers: Sequence[LocalLayer],
+    image: Path | None,
+    checksums: dict[str, str],
+    concurrency: int = 8,
+) -> UploadReport:
+    """Upload one snapshot and write its manifest last; idempotent, so a retry resumes.
+
+    `layers` is the snapshot's whole stack, topmost first; `image` the
+    directory of its memory image (None: filesystem only) whose files have
+    the sha256 hex digests `checksums`.
+    """
+    io = trio.CapacityLimiter(2)
+    report = UploadReport()
+    indexes = []
+    for layer in layers:
+        indexes.append(await trio.to_thread.run_sync(_encoded_index, layer, limiter=io))
+    files: list[tuple[Path, tuple[Chunk, ...]]] = []
+    if image is not None:
+        for name in sorted(checksums):
+            path = image / name
+            files.append((path, await trio.to_thread.run_sync(file_chunks, path, limiter=io)))
+    stored_layers = tuple(
+        StoredLayer(id=la.id, below=la.below, index=digest)
+        for la, (_i, _raw, digest) in zip(layers, indexes, strict=True)
+    )
+    image_files = (
+        None
+        if image is None
+        else tuple(
+            ImageFile(
+                name=path.name,
+                size=sum(c.size for c in chunks),
+                sha256=checksums[path.name],
+                chunks=tuple(c.digest for c in chunks),
+            )
+            for path, chunks in files
+        )
+    )
+    blobs: set[str] = set()
+    for index, _raw, digest in indexes:
+        blobs.add(digest)
+        blobs.update(c.digest for e in index.entries for c in e.chunks)
+    for _path, chunks in files:
+        blobs.update(c.digest for c in chunks)
+    manifest = Manifest(
+        snapshot_id=snapshot_id,
+        record={k: record[k] for k in PORTABLE_FIELDS if k in record},
+        layers=stored_layers,
+        image=image_files,
+        blobs=tuple(sorted(blobs)),
+    )
+    report.blobs = len(blobs)
+    raw_manifest = dump_manifest(manifest)
+    await store.put(pending_key(snapshot_id), raw_manifest)
+
+    sem = trio.Semaphore(concurrency)
+
+    async def one(digest: str, read: Callable[[], bytes], kind: str) -> None:
+        async with sem:
+            n = await _put_missing(store, digest, read, io)
+        if n:
+            report.uploaded += 1
+            report.bytes_uploaded += n
+            if kind == "image":
+                report.image_bytes += n
+            else:
+                report.layer_bytes += n
+
+    done: set[str] = set()
+
+    def chunk_jobs(
+        pairs: Iterable[tuple[Path, Chunk]],
+    ) -> list[tuple[str, Callable[[], bytes]]]:
+        jobs: list[tuple[str, Callable[[], bytes]]] = []
+        for path, c in pairs:
+            if c.digest in done:
+                continue
+            done.add(c.digest)
+
+            jobs.append((c.digest, functools.partial(read_piece, path, c.offset, c.size)))
+        return jobs
+
+    for layer, (index, raw, digest) in zip(layers, indexes, strict=True):
+        if digest in done or await store.has_blob(digest):
+            continue  # an index is stored after its chunks: they are there too
+        pairs = [(layer.tree / e.path, c) for e in index.entries for c in e.chunks]
+        with _one_error():
+            async with trio.open_nursery() as n:
+                for d, read in chunk_jobs(pairs):
+                    n.start_soon(one, d, read, "layer")
+        await one(digest, functools.partial(bytes, raw), "layer")
+        done.add(digest)
+    with _one_error():
+        async with trio.open_nursery() as n:
+            for path, chunks in files:
+                for d, read in chunk_jobs((path, c) for c in chunks):
+                    n.start_soon(one, d, read, "image")
+
+    await store.put(manifest_key(snapshot_id), raw_manifest)
+    if manifest.name:
+        await _point_name(store, manifest)
+    await store.delete(pending_key(snapshot_id))
+    return report
+
+
+async def _point_name(store: ObjectStore, m: Manifest) -> None:
+    """Point `names/<name>` at `m` unless it already names a newer snapshot."""
+    assert m.name is not None
+    key = name_key(m.name)
+    with contextlib.suppress(ObjectNotFound, ValueError, KeyError, TypeError):
+        current = json.loads(await store.get(key))
+        if float(current["createdAt"]) > m.created_at:
+            return
+    body = {"snapshotID": m.snapshot_id, "createdAt": m.created_at}
+    await store.put(key, json.dumps(body).encode())
+
+
+# -- downloading ---------------------------------------------------------------------
+
+
+def _unavailable(snapshot_id: str, what: str, exc: BaseException) -> SnapshotUnavailable:
+    return SnapshotUnavailable(
+        f"snapshot {snapshot_id} cannot be restored from the store: {what}: {exc}"
+    )
+
+
+async def fetch_manifest(store: ObjectStore, name_or_id: str, *, by_id: bool) -> Manifest | None:
+    """The complete manifest of a snapshot ID (`by_id`) or of a name's newest; None if absent.
+
+    StoreUnavailable passes through; a malformed manifest or name pointer is
+    a SnapshotUnavailable.
+    """
+    snapshot_id = name_or_id
+    if not by_id:
+        try:
+            raw = await store.get(name_key(name_or_id))
+        except ObjectNotFound:
+            return None
+        except ValueError:
+            return None  # not a valid key: not a name the store can hold
+        try:
+            snapshot_id = str(json.loads(raw)["snapshotID"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _unavailable(
+                name_or_id, f"name pointer {name_key(name_or_id)!r} is malformed", exc
+            ) from None
+    try:
+        raw = await store.get(manifest_key(snapshot_id))
+    except ObjectNotFound:
+        return None
+    except ValueError:
+        return None
+    try:
+        m = load_manifest(raw)
+    except BadManifest as exc:
+        raise _unavailable(
+            snapshot_id, f"manifest {manifest_key(snapshot_id)!r} is malformed", exc
+        ) from None
+    if m.snapshot_id != snapshot_id:
+        raise SnapshotUnavailable(f"manifest {manifest_key(snapshot_id)!r} names {m.snapshot_id}")
+    return m
+
+
+async def _blob(store: ObjectStore, snapshot_id: str, digest: str) -> bytes:
+    try:
+        return await store.get_blob(digest)
+    except ObjectNotFound as exc:
+        raise _unavailable(snapshot_id, f"object {blob_key(digest)!r} is missing", exc) from None
+    except CorruptObject as exc:
+        raise _unavailable(snapshot_id, f"object {blob_key(digest)!r} is corrupt", exc) from None
+
+
+async def materialise_layer(
+    store: ObjectStore, snapshot_id: str, layer: StoredLayer, tree: Path, *, concurrency: int = 8
+) -> int:
+    """Build `tree` (which must not exist) from the layer's index; returns content bytes."""
+    raw = await _blob(store, snapshot_id, layer.index)
+    try:
+        index = loads(raw)
+    except BadIndex as exc:
+        raise _unavailable(
+            snapshot_id, f"layer index {blob_key(layer.index)!r} is malformed", exc
+        ) from None
+    io = trio.CapacityLimiter(2)
+    try:
+        pieces = await trio.to_thread.run_sync(build_skeleton, index, tree, limiter=io)
+    except BadIndex as exc:
+        raise _unavailable(snapshot_id, f"layer index {blob_key(layer.index)!r}", exc) from None
+    await _fill(store, snapshot_id, pieces, concurrency, io)
+    await trio.to_thread.run_sync(finish_tree, index, tree, limiter=io)
+    await trio.to_thread.run_sync(_fsync_tree, tree, limiter=io)
+    return index.content_bytes
+
+
+async def _fill(
+    store: ObjectStore,
+    snapshot_id: str,
+    pieces: Sequence[tuple[Path, Chunk]],
+    concurrency: int,
+    io: trio.CapacityLimiter,
+) -> None:
+    sem = trio.Semaphore(concurrency)
+
+    async def one(path: Path, c: Chunk) -> None:
+        async with sem:
+            data = await _blob(store, snapshot_id, c.digest)
+        if len(data) != c.size:
+            raise SnapshotUnavailable(
+                f"snapshot {snapshot_id}: object {blob_key(c.digest)!r} has {len(data)} bytes, "
+                f"expected {c.size}"
+            )
+        await trio.to_thread.run_sync(write_piece, path, c.offset, data, limiter=io)
+
+    with _one_error():
+        async with trio.open_nursery() as n:
+            for path, c in pieces:
+                n.start_soon(one, path, c)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(CHUNK_SIZE):
+            h.update(block)
+    return h.hexdigest()
+
+
+async def download_image(
+    store: ObjectStore, m: Manifest, dest: Path, *, concurrency: int = 8
+) -> dict[str, str]:
+    """Fetch the memory image into the new directory `dest`; returns its checksums."""
+    assert m.image is not None
+    io = trio.CapacityLimiter(2)
+    await trio.to_thread.run_sync(dest.mkdir)
+    pieces: list[tuple[Path, Chunk]] = []
+    for f in m.image:
+        path = dest / f.name
+
+        def create(path: Path = path, size: int = f.size) -> None:
+            with path.open("wb") as out:
+                out.truncate(size)
+
+        await trio.to_thread.run_sync(create, limiter=io)
+        offset = 0
+        for i, digest in enumerate(f.chunks):
+            size = min(CHUNK_SIZE, f.size - i * CHUNK_SIZE)
+            pieces.append((path, Chunk(digest, size, offset)))
+            offset += size
+    await _fill(store, m.snapshot_id, pieces, concurrency, io)
+    sums: dict[str, str] = {}
+    for f in m.image:
+        actual = await trio.to_thread.run_sync(_file_sha256, dest / f.name, limiter=io)
+        if actual != f.sha256:
+            raise SnapshotUnavailable(
+                f"snapshot {m.snapshot_id}: image file {f.name} reassembled from the store "
+                "does not match its checksum"
+            )
+        sums[f.name] = actual
+    await trio.to_thread.run_sync(_fsync_tree, dest, limiter=io)
+    return sums
+
+
+# -- deleting and garbage collection ----------------------------------------------------
+
+
+async def delete_snapshot(store: ObjectStore, snapshot_id: str, name: str | None) -> None:
+    """Remove a snapshot's manifests and its name pointer if it points here (blobs: GC)."""
+    await store.delete(pending_key(snapshot_id))
+    await store.delete(manifest_key(snapshot_id))
+    for n in {name} - {None}:
+        assert n is not None
+        with contextlib.suppress(ObjectNotFound, ValueError, KeyError, TypeError):
+            if json.loads(await store.get(name_key(n)))["snapshotID"] == snapshot_id:
+                await store.delete(name_key(n))
+
+
+@dataclass
+class GcReport:
+    manifests: int = 0
+    blobs: int = 0  # seen
+    deleted: int = 0
+    bytes_deleted: int = 0
+    kept_young: int = 0  # unreferenced but within the grace period
+
+
+async def collect_garbage(
+    store: ObjectStore,
+    *,
+    grace_s: float,
+    pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
+    now: dt.datetime | None = None,
+) -> GcReport:
+    """Delete blobs no manifest references that are older than `grace_s`.
+
+    Blobs are listed before manifests, so a blob uploaded and referenced
+    after the listing is either not a candidate or marked. A pending
+    manifest older than `pending_ttl_s` (an upload abandoned by a node that
+    never came back) no longer protects its blobs. An unreadable manifest
+    stops the collection (StoreUnavailable or SnapshotUnavailable): never
+    guess what it referenced.
+    """
+    report = GcReport()
+    blobs = await store.list(BLOB_PREFIX)
+    report.blobs = len(blobs)
+    now = now or dt.datetime.now(dt.UTC)
+    marked: set[str] = set()
+    for prefix in (MANIFEST_PREFIX, PENDING_PREFIX):
+        for info in await store.list(prefix):
+            if (
+                prefix == PENDING_PREFIX
+                and (now - info.last_modified).total_seconds() > pending_ttl_s
+            ):
+                continue
+            try:
+                raw = await store.get(info.key)
+            except ObjectNotFound:
+                continue  # deleted meanwhile: its blobs are garbage now
+            try:
+                m = load_manifest(raw)
+            except BadManifest as exc:
+                raise SnapshotUnavailable(
+                    f"garbage collection stopped: {info.key!r}: {exc}"
+                ) from None
+            report.manifests += 1
+            marked.update(m.blobs)
+    for info in blobs:
+        digest = "sha256:" + info.key.rsplit("/", 1)[-1]
+        if digest in marked:
+            continue
+        if (now - info.last_modified).total_seconds() < grace_s:
+            report.kept_young += 1
+            continue
+        await store.delete(info.key)
+        report.deleted += 1
+        report.bytes_deleted += info.size
+    return report
+
+
+__all__ = [
+    "BadManifest",
+    "GcReport",
+    "ImageFile",
+    "LocalLayer",
+    "Manifest",
+    "SnapshotUnavailable",
+    "StoreUnavailable",
+    "StoredLayer",
+    "UploadReport",
+    "collect_garbage",
+    "delete_snapshot",
+    "download_image",
+    "dump_manifest",
+    "fetch_manifest",
+    "index_layer",
+    "load_manifest",
+    "manifest_key",
+    "materialise_layer",
+    "name_key",
+    "pending_key",
+    "upload_snapshot",
+]

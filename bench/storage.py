@@ -1,0 +1,269 @@
+"""aenv durable-snapshot benchmark: store throughput and resuming from a cold cache.
+
+One run starts moto's S3 server on loopback (tests/s3.py) and measures:
+
+- throughput of `aenv.storage.snapstore` against it, in this process: a
+  synthetic snapshot (one frozen layer of `--mb` MiB of random,
+  incompressible files, and a memory image file of `--mb` MiB) uploaded to
+  an empty prefix (`upload_snapshot`: hashing, HEADs, PUTs of 1 MiB
+  blobs, manifest), then fetched back (`materialise_layer` +
+  `download_image`, every blob verified); MB/s of content, `--n` rounds;
+- time to resume from a snapshot through the real e2b SDK, `Sandbox.create(id)`
+  until a first `commands.run("true")` returns: warm (the node has the
+  snapshot locally) and cold (a node with a fresh home, same store, never
+  saw it: layers and image come from S3 first). The snapshot is taken on a
+  first node (a busybox sandbox with a running process and `--data-mb` MiB
+  of random file data), waited for until durable, then that node stops;
+  each cold sample starts a node with a fresh private home (not timed).
+
+It prints p50/p95 and writes JSON to bench/results/storage-<timestamp>.json.
+Nodes use their own netns prefix and slot range, are stopped with SIGTERM,
+and temp homes are removed, also when a step fails. Needs root, runsc and
+AENV_TEST_HOME (or --home) built by `make test` for the node part.
+
+    .venv/bin/python bench/storage.py [--n 3] [--mb 64] [--data-mb 16] [--home DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from aenv.storage.objstore import open_object_store  # noqa: E402
+from aenv.storage.snapstore import (  # noqa: E402
+    LocalLayer,
+    download_image,
+    fetch_manifest,
+    materialise_layer,
+    upload_snapshot,
+)
+from tests.conftest import NodeProc, leaks, link_home, start_node, stop_node  # noqa: E402
+from tests.s3 import MotoS3  # noqa: E402
+
+NET_PREFIX = "aenvq"
+SLOT_CIDR = "10.229.0.0/16"
+RESULTS = REPO / "bench" / "results"
+MiB = 1 << 20
+
+
+def stats(samples: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {"n": len(samples), "samples": [round(s, 4) for s in samples]}
+    if samples:
+        qs = (
+            statistics.quantiles(samples, n=100, method="inclusive")
+            if len(samples) > 1
+            else [samples[0]] * 99
+        )
+        out["p50"], out["p95"] = round(qs[49], 4), round(qs[94], 4)
+    return out
+
+
+# -- throughput, in process -----------------------------------------------------------
+
+
+def _make_snapshot(root: Path, mb: int) -> tuple[Path, Path, dict[str, str]]:
+    tree = root / "layer" / "tree"
+    tree.mkdir(parents=True)
+    per = 4
+    for i in range(max(1, mb // per)):
+        (tree / f"f{i}.bin").write_bytes(os.urandom(per * MiB))
+    image = root / "image"
+    image.mkdir()
+    (image / "checkpoint.img").write_bytes(os.urandom(mb * MiB))
+    sums = {"checkpoint.img": hashlib.sha256((image / "checkpoint.img").read_bytes()).hexdigest()}
+    return tree, image, sums
+
+
+async def throughput(s3: MotoS3, work: Path, mb: int, n: int) -> dict[str, Any]:
+    up: list[float] = []
+    down: list[float] = []
+    for i in range(n):
+        root = work / f"t{i}"
+        tree, image, sums = await trio.to_thread.run_sync(_make_snapshot, root, mb)
+        store = open_object_store(
+            s3.url(f"bench/{secrets.token_hex(4)}"),
+            config=s3.config(),
+            client_options={"allow_http": True},
+        )
+        t0 = time.perf_counter()
+        report = await upload_snapshot(
+            store,
+            snapshot_id=f"snap-bench{i}",
+            record={"createdAt": time.time()},
+            layers=[LocalLayer(id=f"bench{i}", below=(), tree=tree)],
+            image=image,
+            checksums=sums,
+        )
+        up.append(report.bytes_uploaded / MiB / (time.perf_counter() - t0))
+        m = await fetch_manifest(store, f"snap-bench{i}", by_id=True)
+        assert m is not None
+        t0 = time.perf_counter()
+        content = await materialise_layer(store, m.snapshot_id, m.layers[0], root / "back")
+        await download_image(store, m, root / "image-back")
+        content += sum(f.size for f in m.image or ())
+        down.append(content / MiB / (time.perf_counter() - t0))
+        await trio.to_thread.run_sync(shutil.rmtree, root)
+    return {"size_mib": 2 * mb, "upload_mib_s": stats(up), "download_mib_s": stats(down)}
+
+
+# -- resume: cold vs warm --------------------------------------------------------------
+
+
+class Env:
+    def __init__(self, node: NodeProc) -> None:
+        self.saved = {
+            k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")
+        }
+        os.environ.update(
+            {"E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url, "E2B_API_KEY": node.api_key}
+        )
+
+    def restore(self) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _node(built: Path, work: Path, name: str, s3: MotoS3, prefix: str, key: str) -> NodeProc:
+    home = work / name
+    home.mkdir()
+    link_home(built, home)
+    env = {
+        "AENV_NET_PREFIX": NET_PREFIX,
+        "AENV_SLOT_CIDR": SLOT_CIDR,
+        "AENV_STORE_URL": s3.url(prefix),
+        **s3.env(),
+    }
+    return start_node(home, api_key=key, log_path=home / "node.log", extra_env=env)
+
+
+def _stop(node: NodeProc) -> None:
+    code = stop_node(node)
+    left = leaks(node.home, NET_PREFIX)
+    if code != 0 or left:
+        print(f"node exit {code}, left {left}\n{node.log_tail(30)}", file=sys.stderr)
+    shutil.rmtree(node.home, ignore_errors=True)
+
+
+def _resume_once(snapshot_id: str) -> float:
+    from e2b import Sandbox
+
+    t0 = time.perf_counter()
+    s = Sandbox.create(snapshot_id, timeout=120)
+    try:
+        s.commands.run("true")
+        return time.perf_counter() - t0
+    finally:
+        s.kill()
+
+
+def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[str, Any]:
+    from e2b import Sandbox
+
+    prefix = f"resume/{secrets.token_hex(4)}"
+    key = "aenv_bench_" + secrets.token_hex(8)
+    node = _node(built, work, "origin", s3, prefix, key)
+    env = Env(node)
+    try:
+        s = Sandbox.create("busybox", timeout=300)
+        s.commands.run(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done", background=True
+        )
+        s.commands.run(f"head -c {data_mb * MiB} /dev/urandom > $HOME/data.bin")
+        t0 = time.perf_counter()
+        r = httpx.post(
+            f"{node.url}/sandboxes/{s.sandbox_id}/snapshots",
+            json={"durable": True},
+            headers={"X-API-Key": key},
+            timeout=600,
+        )
+        snapshot_wait = time.perf_counter() - t0
+        r.raise_for_status()
+        sid = r.json()["snapshotID"]
+        detail = httpx.get(f"{node.url}/snapshots/{sid}", headers={"X-API-Key": key}).json()
+        s.kill()
+    finally:
+        env.restore()
+        _stop(node)
+    cold: list[float] = []
+    warm: list[float] = []
+    for i in range(n):
+        node = _node(built, work, f"cold{i}", s3, prefix, key)
+        env = Env(node)
+        try:
+            cold.append(_resume_once(sid))
+            warm.append(_resume_once(sid))
+        finally:
+            env.restore()
+            _stop(node)
+    return {
+        "snapshot_durable_s": round(snapshot_wait, 3),
+        "snapshot_upload": detail.get("storageUpload"),
+        "cold_s": stats(cold),
+        "warm_s": stats(warm),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, default=3)
+    ap.add_argument("--mb", type=int, default=64, help="MiB of layer files and of image each")
+    ap.add_argument("--data-mb", type=int, default=16, help="MiB of file data in the sandbox")
+    ap.add_argument("--home", type=Path, default=os.environ.get("AENV_TEST_HOME"))
+    ap.add_argument("--skip-nodes", action="store_true", help="throughput only")
+    args = ap.parse_args()
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
+    s3 = MotoS3(bucket="aenv-bench")
+    s3.start()
+    work = Path(tempfile.mkdtemp(prefix="aenv-bench-storage-"))
+    out: dict[str, Any] = {"when": datetime.datetime.now(datetime.UTC).isoformat()}
+    try:
+        out["throughput"] = trio.run(throughput, s3, work, args.mb, args.n)
+        tp = out["throughput"]
+        print(
+            f"store throughput ({tp['size_mib']} MiB snapshot, moto on loopback): "
+            f"upload p50 {tp['upload_mib_s']['p50']:.1f} MiB/s, "
+            f"download p50 {tp['download_mib_s']['p50']:.1f} MiB/s"
+        )
+        if not args.skip_nodes and args.home:
+            out["resume"] = resume(Path(args.home), s3, work, args.n, args.data_mb)
+            rs = out["resume"]
+            print(
+                f"snapshot with {args.data_mb} MiB of data durable in {rs['snapshot_durable_s']}s "
+                f"(uploaded {rs['snapshot_upload']})"
+            )
+            for kind in ("cold", "warm"):
+                st = rs[f"{kind}_s"]
+                print(f"resume {kind}: p50 {st['p50']:.3f}s p95 {st['p95']:.3f}s (n={st['n']})")
+    finally:
+        s3.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = RESULTS / f"storage-{stamp}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""Durable snapshots in an S3 store, with real nodes, moto's S3 server and the e2b SDK.
+
+Rules: each test runs its own nodes (private homes linked to the built one,
+their own netns prefix and slot range) against its own moto server on
+loopback (tests/s3.py), configured only through AENV_STORE_URL and the
+AWS_* variables; faults are injected by killing that server mid-upload and
+by overwriting stored objects behind the node's back. A snapshot must be
+restorable on a node that has never seen it, listed durable only once
+whole, and a broken store object must fail the create clearly and leave
+nothing behind. Nothing of the nodes may leak at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b import Sandbox
+from e2b.exceptions import SandboxException
+
+# Fixtures are imported by name, so test parameters shadow them (F811).
+# ruff: noqa: F811
+from tests.conftest import (
+    NodeProc,
+    built_home,
+    leaks,
+    link_home,
+    requires_node,
+    start_node,
+    stop_node,
+)
+from tests.e2e.counter import COUNTER, count, counts_on
+from tests.s3 import MotoS3, s3_faulty  # noqa: F401
+
+pytestmark = [requires_node, pytest.mark.runsc]
+
+PREFIX = "aenvo"
+ENV = {"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": "10.230.0.0/16"}
+TEMPLATE = "busybox"
+MiB = 1 << 20
+
+
+class Nodes:
+    """Nodes sharing one S3 store; each home is private. The SDK points at the current node."""
+
+    def __init__(self, root: Path, s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self.s3 = s3
+        self.prefix = f"durable/{secrets.token_hex(4)}"
+        self.key = "k" + secrets.token_hex(8)
+        self.monkeypatch = monkeypatch
+        self.node: NodeProc | None = None
+        self.homes: list[Path] = []
+
+    def home(self, name: str) -> Path:
+        home = self.root / name
+        if not home.exists():
+            home.mkdir()
+            built = built_home()
+            assert built is not None
+            link_home(built, home)
+            self.homes.append(home)
+        return home
+
+    def start(self, name: str) -> NodeProc:
+        home = self.home(name)
+        env = {
+            **ENV,
+            **self.s3.env(),
+            "AENV_STORE_URL": self.s3.url(self.prefix),
+            "AENV_STORE_GC_GRACE": "0",
+        }
+        n = start_node(home, api_key=self.key, log_path=home / "node.log", extra_env=env)
+        for var, value in (("E2B_API_URL", n.url), ("E2B_SANDBOX_URL", n.url)):
+            self.monkeypatch.setenv(var, value)
+        self.monkeypatch.setenv("E2B_API_KEY", self.key)
+        self.node = n
+        return n
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        assert self.node is not None
+        code = stop_node(self.node, sig)
+        if sig == signal.SIGTERM:
+            assert code == 0, self.node.log_tail()
+        self.node = None
+
+    def get(self, path: str) -> httpx.Response:
+        assert self.node is not None
+        return httpx.get(self.node.url + path, headers={"X-API-Key": self.key}, timeout=30)
+
+    def post(self, path: str, body: object = None) -> httpx.Response:
+        assert self.node is not None
+        return httpx.post(
+            self.node.url + path, json=body, headers={"X-API-Key": self.key}, timeout=300
+        )
+
+    def delete(self, path: str) -> httpx.Response:
+        assert self.node is not None
+        return httpx.delete(self.node.url + path, headers={"X-API-Key": self.key}, timeout=60)
+
+    def snapshot(self, sandbox_id: str, **body: Any) -> dict[str, Any]:
+        r = self.post(f"/sandboxes/{sandbox_id}/snapshots", body)
+        assert r.status_code == 201, r.text
+        return dict(r.json())
+
+    def storage(self, snapshot_id: str) -> str:
+        r = self.get(f"/snapshots/{snapshot_id}")
+        assert r.status_code == 200, r.text
+        return str(r.json()["storage"])
+
+    def wait_storage(self, snapshot_id: str, want: str, limit: float = 90) -> None:
+        deadline = time.monotonic() + limit
+        while (got := self.storage(snapshot_id)) != want:
+            assert time.monotonic() < deadline, f"{snapshot_id} still {got}, not {want}"
+            time.sleep(0.2)
+
+    # -- the store, behind the node's back --------------------------------------------
+
+    def objects(self, under: str) -> dict[str, int]:
+        """{key below the store prefix: size} of the objects under `under`."""
+        client = self.s3.boto()
+        out: dict[str, int] = {}
+        token: dict[str, str] = {}
+        while True:
+            got = client.list_objects_v2(
+                Bucket=self.s3.bucket, Prefix=f"{self.prefix}/{under}", **token
+            )
+            for o in got.get("Contents", []):
+                out[o["Key"][len(self.prefix) + 1 :]] = int(o["Size"])
+            if not got.get("IsTruncated"):
+                return out
+            token = {"ContinuationToken": got["NextContinuationToken"]}
+
+    def manifest(self, snapshot_id: str) -> dict[str, Any]:
+        body = self.s3.boto().get_object(
+            Bucket=self.s3.bucket, Key=f"{self.prefix}/snapshots/{snapshot_id}.json"
+        )["Body"]
+        return dict(json.loads(body.read()))
+
+    def overwrite(self, key: str, data: bytes) -> None:
+        self.s3.boto().put_object(Bucket=self.s3.bucket, Key=f"{self.prefix}/{key}", Body=data)
+
+
+@pytest.fixture
+def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, s3_faulty: MotoS3) -> Iterator[Nodes]:
+    n = Nodes(tmp_path, s3_faulty, monkeypatch)
+    try:
+        yield n
+    finally:
+        if n.node is not None:
+            with contextlib.suppress(Exception):
+                n.stop()
+        for home in n.homes:
+            left = leaks(home, PREFIX)
+            assert not left, left
+
+
+def _blob_key(digest: str) -> str:
+    hexd = digest.removeprefix("sha256:")
+    return f"blobs/sha256/{hexd[:2]}/{hexd}"
+
+
+def _sandbox_with_state() -> Sandbox:
+    s = Sandbox.create(TEMPLATE, timeout=300)
+    s.commands.run(COUNTER, background=True)
+    s.files.write("/tmp/kept.txt", "written before the snapshot")
+    s.commands.run("mkdir -p /tmp/data && head -c 3000000 /dev/urandom > /tmp/data/blob")
+    counts_on(s)
+    return s
+
+
+def test_a_snapshot_restores_on_a_node_that_never_saw_it(nodes: Nodes) -> None:
+    nodes.start("a")
+    src = _sandbox_with_state()
+    blob_sum = src.commands.run("md5sum /tmp/data/blob").stdout.split()[0]
+    info = nodes.snapshot(src.sandbox_id, name="dur-a", durable=True)
+    assert info["storage"] == "durable"  # it waited
+    sid = info["snapshotID"]
+    before = count(src)
+    src.kill()
+    nodes.stop()
+
+    for attempt in ("fresh home", "home wiped but bundle and templates"):
+        if attempt == "fresh home":
+            nodes.start("b")
+        else:  # the same node again, its local artefacts and caches gone
+            for part in nodes.home("b").iterdir():
+                if part.name in ("bundle", "templates", "node.log"):
+                    continue
+                if part.is_dir() and not part.is_symlink():
+                    shutil.rmtree(part)
+                else:
+                    part.unlink()
+            nodes.start("b")
+        assert not (nodes.home("b") / "snapshots" / sid).exists()
+        t0 = time.monotonic()
+        s = Sandbox.create(sid if attempt == "fresh home" else "dur-a", timeout=120)
+        took = time.monotonic() - t0
+        print(f"{attempt}: restored from the store in {took:.2f}s")
+        try:
+            assert s.files.read("/tmp/kept.txt") == "written before the snapshot"
+            assert s.commands.run("md5sum /tmp/data/blob").stdout.split()[0] == blob_sum
+            assert count(s) >= before
+            counts_on(s)  # the counter process itself came back, still running
+        finally:
+            s.kill()
+        assert nodes.storage(sid) == "durable"
+        # now local: a second create needs nothing from the store
+        again = Sandbox.create(sid, timeout=120)
+        again.kill()
+        nodes.stop()
+
+
+def test_killing_the_store_mid_upload_leaves_it_uploading_until_it_returns(
+    nodes: Nodes,
+) -> None:
+    nodes.start("a")
+    src = _sandbox_with_state()
+    try:
+        nodes.s3.kill_after(8)  # the server dies a few requests into the upload
+        sid = nodes.snapshot(src.sandbox_id)["snapshotID"]  # returns without waiting
+        time.sleep(3)
+        assert not nodes.s3.running
+        assert nodes.storage(sid) == "uploading"
+        listed = {x["snapshotID"]: x["storage"] for x in nodes.get("/snapshots").json()}
+        assert listed[sid] == "uploading"
+        detail = nodes.get(f"/snapshots/{sid}").json()
+        assert "unavailable" in detail.get("storageError", ""), detail
+        nodes.s3.start()
+        assert f"snapshots/{sid}.json" not in nodes.objects("snapshots/")  # never half there
+        nodes.wait_storage(sid, "durable")  # the upload resumed by itself
+        assert f"snapshots/{sid}.json" in nodes.objects("snapshots/")
+        assert not nodes.objects("pending/")
+
+        # a node restart mid-upload resumes it
+        nodes.s3.stop()
+        sid2 = nodes.snapshot(src.sandbox_id)["snapshotID"]
+        time.sleep(1)
+        assert nodes.storage(sid2) == "uploading"
+    finally:
+        src.kill()
+    nodes.stop()
+    nodes.s3.start()
+    assert f"snapshots/{sid2}.json" not in nodes.objects("snapshots/")
+    nodes.start("a")
+    nodes.wait_storage(sid2, "durable")
+    child = Sandbox.create(sid2, timeout=120)
+    try:
+        assert child.files.read("/tmp/kept.txt") == "written before the snapshot"
+    finally:
+        child.kill()
+
+
+def test_ten_snapshots_store_the_changes_not_ten_copies(nodes: Nodes) -> None:
+    nodes.start("a")
+    s = Sandbox.create(TEMPLATE, timeout=600)
+    rows: list[tuple[str, int, int, int]] = []
+    try:
+        for i in range(10):
+            s.commands.run(f"head -c {MiB} /dev/urandom > $HOME/new-{i}.bin")
+            info = nodes.snapshot(s.sandbox_id, durable=True)
+            up = nodes.get(f"/snapshots/{info['snapshotID']}").json()["storageUpload"]
+            rows.append((info["snapshotID"], up["layerBytes"], up["imageBytes"], up["bytes"]))
+    finally:
+        s.kill()
+    layer = sum(r[1] for r in rows)
+    image = sum(r[2] for r in rows)
+    stored = sum(nodes.objects("blobs/").values())
+    full_copies = sum((i + 1) * MiB for i in range(10))  # each stack holds every earlier MiB
+    print("\nsnapshot                 layer bytes  image bytes  total")
+    for sid, lb, ib, tb in rows:
+        print(f"{sid}  {lb:>11}  {ib:>11}  {tb:>11}")
+    print(
+        f"sum: file data {layer / MiB:.2f} MiB (10 full copies would be "
+        f"{full_copies / MiB:.0f} MiB), memory images {image / MiB:.2f} MiB, "
+        f"store holds {stored / MiB:.2f} MiB of blobs"
+    )
+    assert 10 * MiB <= layer < 12 * MiB
+    assert stored == sum(r[3] for r in rows)  # every byte uploaded once
+    for sid, *_ in rows:
+        assert nodes.delete(f"/snapshots/{sid}").status_code == 204
+
+
+def test_a_corrupt_or_missing_object_fails_the_restore_and_leaves_nothing(
+    nodes: Nodes,
+) -> None:
+    nodes.start("a")
+    src = _sandbox_with_state()
+    try:
+        sid = nodes.snapshot(src.sandbox_id, durable=True)["snapshotID"]
+    finally:
+        src.kill()
+    nodes.stop()
+    m = nodes.manifest(sid)
+    chunk = m["image"][0]["chunks"][0]
+    nodes.overwrite(_blob_key(chunk), b"garbage")
+
+    nodes.start("b")
+    home = nodes.home("b")
+    r = nodes.post("/sandboxes", {"templateID": sid})
+    assert r.status_code == 500, r.text
+    msg = r.json()["message"]
+    assert sid in msg and _blob_key(chunk) in msg and "corrupt" in msg, msg
+    with pytest.raises(SandboxException, match="corrupt"):
+        Sandbox.create(sid)
+
+    def leftovers() -> list[str]:
+        found = [p.name for p in (home / "snapshots").iterdir()]
+        found += [p.name for p in (home / "layers" / "layers").glob("*")]
+        found += [p.name for p in (home / "layers" / "tmp").glob("*")]
+        return found
+
+    assert leftovers() == []
+    assert sid not in [x["snapshotID"] for x in nodes.get("/snapshots").json()]
+
+    # a missing layer blob: the same
+    layer_index = m["layers"][0]["index"]
+    nodes.s3.boto().delete_object(
+        Bucket=nodes.s3.bucket, Key=f"{nodes.prefix}/{_blob_key(layer_index)}"
+    )
+    r = nodes.post("/sandboxes", {"templateID": sid})
+    assert r.status_code == 500 and "missing" in r.json()["message"], r.text
+    assert leftovers() == []
+
+
+def test_gc_removes_what_only_deleted_snapshots_used(nodes: Nodes) -> None:
+    nodes.start("a")
+    src = _sandbox_with_state()
+    try:
+        x = nodes.snapshot(src.sandbox_id, durable=True)["snapshotID"]
+        src.commands.run(f"head -c {2 * MiB} /dev/urandom > /tmp/only-y.bin")
+        y = nodes.snapshot(src.sandbox_id, durable=True)["snapshotID"]
+    finally:
+        src.kill()
+    keep = {_blob_key(d) for d in nodes.manifest(x)["blobs"]}
+    only_y = {_blob_key(d) for d in nodes.manifest(y)["blobs"]} - keep
+    assert only_y and keep
+    assert nodes.delete(f"/snapshots/{y}").status_code == 204
+
+    deadline = time.monotonic() + 30
+    while set(nodes.objects("blobs/")) != keep:
+        left = set(nodes.objects("blobs/"))
+        assert keep <= left, f"a referenced blob was deleted: {keep - left}"
+        assert time.monotonic() < deadline, f"{len(left & only_y)} blobs of {y} remain"
+        time.sleep(0.3)
+    assert f"snapshots/{y}.json" not in nodes.objects("snapshots/")
+
+    assert nodes.delete(f"/snapshots/{x}").status_code == 204
+    deadline = time.monotonic() + 30
+    while nodes.objects("blobs/"):
+        assert time.monotonic() < deadline, f"{len(nodes.objects('blobs/'))} blobs remain"
+        time.sleep(0.3)
+    assert not nodes.objects("snapshots/") and not nodes.objects("pending/")

@@ -1,0 +1,354 @@
+"""Snapshots in the object store (aenv.storage.snapstore) against real backends.
+
+Rules: real parts only - frozen layers are real directories with what
+overlayfs uppers hold (whiteouts as 0/0 character devices, the opaque
+xattr, hard links, symlinks, owners, modes, times, xattrs; needs root), the
+store is a local directory or moto's S3 server on loopback (tests/s3.py),
+faults are injected by stopping that server or overwriting stored objects
+behind the store's back. A layer must come back exactly as it was frozen;
+a snapshot must be listed in the store only once whole; garbage collection
+must never remove a blob a manifest references.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import secrets
+import stat
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from aenv.storage.objstore import (
+    MiB,
+    ObjectStore,
+    RetryPolicy,
+    StoreUnavailable,
+    blob_key,
+    open_object_store,
+)
+from aenv.storage.snapstore import (
+    LocalLayer,
+    SnapshotUnavailable,
+    collect_garbage,
+    delete_snapshot,
+    download_image,
+    dump_manifest,
+    fetch_manifest,
+    manifest_key,
+    materialise_layer,
+    pending_key,
+    upload_snapshot,
+)
+
+# Fixtures are imported by name, so test parameters shadow them (F811).
+# ruff: noqa: F811
+from tests.s3 import MotoS3, s3_faulty, s3_server  # noqa: F401
+
+FAST = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.05, transport_retries=0)
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts and trusted xattrs need root")
+
+
+@dataclass
+class Backend:
+    store: ObjectStore
+    tamper: Callable[[str, bytes], None]
+    list_keys: Callable[[], list[str]]
+
+
+def _s3(server: MotoS3) -> ObjectStore:
+    return open_object_store(
+        server.url(f"snap/{secrets.token_hex(6)}"),
+        config=server.config(),
+        client_options={"allow_http": True},
+        retry=FAST,
+    )
+
+
+@pytest.fixture(params=["local", "s3"])
+async def backend(
+    request: pytest.FixtureRequest, tmp_path: Path, s3_server: MotoS3
+) -> AsyncIterator[Backend]:
+    if request.param == "local":
+        root = tmp_path / "store"
+        store = open_object_store(root.as_uri(), retry=FAST)
+
+        def tamper_local(key: str, data: bytes) -> None:
+            (root / key).write_bytes(data)
+
+        def keys_local() -> list[str]:
+            return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+        yield Backend(store, tamper_local, keys_local)
+    else:
+        store = _s3(s3_server)
+        prefix = store.where.split(" ")[0].split("/", 3)[3]
+        client = s3_server.boto()
+
+        def tamper_s3(key: str, data: bytes) -> None:
+            client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}", Body=data)
+
+        def keys_s3() -> list[str]:
+            got = client.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix + "/")
+            return sorted(o["Key"][len(prefix) + 1 :] for o in got.get("Contents", []))
+
+        yield Backend(store, tamper_s3, keys_s3)
+
+
+# -- a frozen layer with everything an overlay upper can hold ------------------------
+
+
+def make_layer(root: Path, *, big: bytes = b"") -> Path:
+    tree = root / "tree"
+    tree.mkdir(parents=True)
+    (tree / "etc").mkdir(mode=0o755)
+    (tree / "etc" / "hosts").write_text("127.0.0.1 here\n")
+    os.chmod(tree / "etc" / "hosts", 0o640)
+    os.chown(tree / "etc" / "hosts", 1000, 1001)
+    (tree / "big.bin").write_bytes(big or os.urandom(2 * MiB + 12345))
+    os.link(tree / "big.bin", tree / "etc" / "big-link")
+    (tree / "empty").write_bytes(b"")
+    os.symlink("etc/hosts", tree / "hosts-link")
+    os.mknod(tree / "gone", stat.S_IFCHR | 0o000, os.makedev(0, 0))  # a whiteout
+    (tree / "opaque").mkdir(mode=0o700)
+    os.setxattr(tree / "opaque", "trusted.overlay.opaque", b"y")
+    (tree / "opaque" / "only").write_text("only me\n")
+    os.setxattr(tree / "etc" / "hosts", "user.note", b"\x00binary\xff")
+    os.mkfifo(tree / "fifo", 0o620)
+    (tree / "setuid").write_bytes(b"#!/bin/sh\n")
+    os.chmod(tree / "setuid", 0o4755)
+    os.utime(tree / "etc", ns=(1, 1_600_000_000_123_456_789))
+    return tree
+
+
+def describe(tree: Path) -> dict[str, Any]:
+    """Everything that must survive a round trip, by relative path."""
+    out: dict[str, Any] = {}
+    inodes: dict[int, str] = {}
+    for dirpath, dirs, files in os.walk(tree):
+        for name in sorted([*dirs, *files]) + ([""] if dirpath == str(tree) else []):
+            p = os.path.join(dirpath, name) if name else dirpath
+            rel = os.path.relpath(p, tree)
+            st = os.lstat(p)
+            xattrs = {
+                n: os.getxattr(p, n, follow_symlinks=False)
+                for n in os.listxattr(p, follow_symlinks=False)
+            }
+            info: dict[str, Any] = {
+                "mode": st.st_mode,
+                "uid": st.st_uid,
+                "gid": st.st_gid,
+                "rdev": st.st_rdev,
+                "xattrs": xattrs,
+            }
+            whiteout = stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+            if not stat.S_ISLNK(st.st_mode) and not whiteout:  # (what overlayfs ignores)
+                info["mtime"] = st.st_mtime_ns
+            if stat.S_ISREG(st.st_mode):
+                info["data"] = Path(p).read_bytes()
+                if st.st_nlink > 1:
+                    info["linked_to"] = inodes.setdefault(st.st_ino, rel)
+            if stat.S_ISLNK(st.st_mode):
+                info["target"] = os.readlink(p)
+            out[rel] = info
+    return out
+
+
+def image_dir(root: Path, size: int) -> tuple[Path, dict[str, str]]:
+    import hashlib
+
+    d = root / "image"
+    d.mkdir(parents=True)
+    (d / "checkpoint.img").write_bytes(os.urandom(size))
+    (d / "meta").write_text("{}")
+    sums = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in d.iterdir()}
+    return d, sums
+
+
+RECORD = {"name": "demo", "names": ["demo"], "templateID": "base", "memory": True, "createdAt": 1.0}
+
+
+# -- tests ----------------------------------------------------------------------------
+
+
+@needs_root
+async def test_a_layer_and_image_come_back_exactly(backend: Backend, tmp_path: Path) -> None:
+    tree = make_layer(tmp_path / "l1")
+    image, sums = image_dir(tmp_path / "s", 3 * MiB + 7)
+    before = describe(tree)
+    report = await upload_snapshot(
+        backend.store,
+        snapshot_id="snap-a",
+        record=RECORD,
+        layers=[LocalLayer(id="l1", below=(), tree=tree)],
+        image=image,
+        checksums=sums,
+    )
+    assert report.uploaded == report.blobs  # a fresh store: everything went up
+    m = await fetch_manifest(backend.store, "demo", by_id=False)
+    assert m is not None and m.snapshot_id == "snap-a" and m.record["templateID"] == "base"
+    out = tmp_path / "restored"
+    await materialise_layer(backend.store, "snap-a", m.layers[0], out)
+    assert describe(out) == before
+    got = await download_image(backend.store, m, tmp_path / "image-back")
+    assert got == sums
+    assert (tmp_path / "image-back" / "checkpoint.img").read_bytes() == (
+        image / "checkpoint.img"
+    ).read_bytes()
+    assert not [k for k in backend.list_keys() if k.startswith("pending/")]
+
+
+@needs_root
+async def test_shared_content_is_uploaded_once(backend: Backend, tmp_path: Path) -> None:
+    base = make_layer(tmp_path / "l1")
+    upper = tmp_path / "l2" / "tree"
+    upper.mkdir(parents=True)
+    (upper / "new.bin").write_bytes(os.urandom(MiB))
+    (upper / "copy.bin").write_bytes((base / "big.bin").read_bytes())  # same content
+    first = await upload_snapshot(
+        backend.store,
+        snapshot_id="snap-1",
+        record=RECORD,
+        layers=[LocalLayer(id="l1", below=(), tree=base)],
+        image=None,
+        checksums={},
+    )
+    second = await upload_snapshot(
+        backend.store,
+        snapshot_id="snap-2",
+        record={**RECORD, "createdAt": 2.0},
+        layers=[
+            LocalLayer(id="l2", below=("l1",), tree=upper),
+            LocalLayer(id="l1", below=(), tree=base),
+        ],
+        image=None,
+        checksums={},
+    )
+    print(f"first {first.bytes_uploaded} B, second {second.bytes_uploaded} B")
+    assert first.layer_bytes > 2 * MiB
+    # only the new MiB and the new layer index: the copy and the lower layer were there
+    assert MiB <= second.bytes_uploaded < MiB + 64 * 1024
+    m = await fetch_manifest(backend.store, "demo", by_id=False)
+    assert m is not None and m.snapshot_id == "snap-2"  # the name points at the newest
+
+
+async def test_a_snapshot_is_listed_only_once_complete(s3_faulty: MotoS3, tmp_path: Path) -> None:
+    store = _s3(s3_faulty)
+    image, sums = image_dir(tmp_path, 6 * MiB)
+    s3_faulty.kill_after(10)  # dies after the pending manifest, the HEADs, two chunks
+    with pytest.raises(StoreUnavailable):
+        await upload_snapshot(
+            store, snapshot_id="snap-k", record=RECORD, layers=[], image=image, checksums=sums
+        )
+    s3_faulty.start()
+    assert await fetch_manifest(store, "snap-k", by_id=True) is None
+    assert await store.exists(pending_key("snap-k"))  # the upload's intent protects its blobs
+    report = await upload_snapshot(
+        store, snapshot_id="snap-k", record=RECORD, layers=[], image=image, checksums=sums
+    )
+    assert 0 < report.uploaded < report.blobs  # resumed: what was there stays
+    assert await store.exists(manifest_key("snap-k"))
+    assert not await store.exists(pending_key("snap-k"))
+
+
+async def test_a_corrupt_or_missing_blob_fails_naming_it(backend: Backend, tmp_path: Path) -> None:
+    tree = tmp_path / "l1" / "tree"
+    tree.mkdir(parents=True)
+    (tree / "data").write_bytes(os.urandom(MiB + 5))
+    await upload_snapshot(
+        backend.store,
+        snapshot_id="snap-c",
+        record=RECORD,
+        layers=[LocalLayer(id="l1", below=(), tree=tree)],
+        image=None,
+        checksums={},
+    )
+    m = await fetch_manifest(backend.store, "snap-c", by_id=True)
+    assert m is not None
+    chunk = next(d for d in m.blobs if d != m.layers[0].index)
+    backend.tamper(blob_key(chunk), b"not what was stored")
+    with pytest.raises(SnapshotUnavailable, match=rf"snap-c.*{blob_key(chunk)}.*corrupt"):
+        await materialise_layer(backend.store, "snap-c", m.layers[0], tmp_path / "out")
+    await backend.store.delete(blob_key(chunk))
+    with pytest.raises(SnapshotUnavailable, match=rf"snap-c.*{blob_key(chunk)}.*missing"):
+        await materialise_layer(backend.store, "snap-c", m.layers[0], tmp_path / "out2")
+    backend.tamper(manifest_key("snap-c"), b"{not json")
+    with pytest.raises(SnapshotUnavailable, match="malformed"):
+        await fetch_manifest(backend.store, "snap-c", by_id=True)
+
+
+async def test_gc_keeps_what_is_referenced_and_young(backend: Backend, tmp_path: Path) -> None:
+    shared = tmp_path / "shared" / "tree"
+    shared.mkdir(parents=True)
+    (shared / "s").write_bytes(os.urandom(MiB))
+    own = tmp_path / "own" / "tree"
+    own.mkdir(parents=True)
+    (own / "o").write_bytes(os.urandom(MiB))
+    lshared = LocalLayer(id="ls", below=(), tree=shared)
+    for sid, layers in (
+        ("snap-x", [lshared]),
+        ("snap-y", [LocalLayer(id="lo", below=("ls",), tree=own), lshared]),
+    ):
+        await upload_snapshot(
+            backend.store, snapshot_id=sid, record=RECORD, layers=layers, image=None, checksums={}
+        )
+    y = await fetch_manifest(backend.store, "snap-y", by_id=True)
+    x = await fetch_manifest(backend.store, "snap-x", by_id=True)
+    assert x is not None and y is not None
+
+    # nothing unreferenced: nothing goes, even with no grace
+    assert (await collect_garbage(backend.store, grace_s=0)).deleted == 0
+    await delete_snapshot(backend.store, "snap-y", "demo")
+    # within the grace period, the unreferenced blobs stay
+    young = await collect_garbage(backend.store, grace_s=3600)
+    assert young.deleted == 0 and young.kept_young == len(set(y.blobs) - set(x.blobs))
+    report = await collect_garbage(backend.store, grace_s=0)
+    assert report.deleted == len(set(y.blobs) - set(x.blobs))
+    for d in x.blobs:  # every blob of the remaining snapshot is still there, and whole
+        await backend.store.get_blob(d)
+    await materialise_layer(backend.store, "snap-x", x.layers[0], tmp_path / "back")
+    assert (tmp_path / "back" / "s").read_bytes() == (shared / "s").read_bytes()
+
+    # a pending upload's blobs are kept too (an upload in flight)
+    await delete_snapshot(backend.store, "snap-x", None)
+    await backend.store.put(pending_key("snap-x"), dump_manifest(x))
+    assert (await collect_garbage(backend.store, grace_s=0)).deleted == 0
+    # ...unless it was abandoned long ago
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=30)
+    gone = await collect_garbage(backend.store, grace_s=0, now=later)
+    assert gone.deleted == len(x.blobs)
+    await backend.store.delete(pending_key("snap-x"))
+    assert not [k for k in backend.list_keys() if k.startswith("blobs/")]
+
+
+async def test_two_collectors_at_once(backend: Backend, tmp_path: Path) -> None:
+    tree = tmp_path / "t" / "tree"
+    tree.mkdir(parents=True)
+    for i in range(6):
+        (tree / f"f{i}").write_bytes(os.urandom(300_000))
+    keep = tmp_path / "k" / "tree"
+    keep.mkdir(parents=True)
+    (keep / "k").write_bytes(os.urandom(200_000))
+    for sid, t in (("snap-1", tree), ("snap-2", keep)):
+        await upload_snapshot(
+            backend.store,
+            snapshot_id=sid,
+            record={"createdAt": 1.0},
+            layers=[LocalLayer(id=sid, below=(), tree=t)],
+            image=None,
+            checksums={},
+        )
+    await delete_snapshot(backend.store, "snap-1", None)
+    async with trio.open_nursery() as n:
+        for _ in range(2):
+            n.start_soon(lambda: collect_garbage(backend.store, grace_s=0))
+    left = [k for k in backend.list_keys() if k.startswith("blobs/")]
+    m = await fetch_manifest(backend.store, "snap-2", by_id=True)
+    assert m is not None
+    assert sorted(left) == sorted(blob_key(d) for d in m.blobs)
