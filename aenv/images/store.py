@@ -21,9 +21,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import os
 import platform as platform_module
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -36,6 +34,7 @@ import trio
 from aenv.images.cache import ChunkCache
 from aenv.images.convert import ChunkCutter, ConversionError, LayerConverter
 from aenv.images.registry import RegistryClient, RegistryError
+from aenv.kit.files import write_atomic
 from aenv.proto import layerindex
 from aenv.proto.imageref import ImageRef, InvalidReference, parse_reference
 from aenv.proto.imagetree import ImageTree
@@ -212,19 +211,6 @@ def _hex(digest: str) -> str:
     return hexpart
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 @dataclass
 class _Refetch:
     """One pass over a layer blob cutting the chunks misses asked for."""
@@ -380,9 +366,9 @@ class ImageStore:
                 doc = other.to_json() | {"references": list(kept or ("",))}
                 if not kept:
                     doc["references"] = []
-                _write_atomic(self.root / "records" / f"{other.key}.json", json.dumps(doc).encode())
+                write_atomic(self.root / "records" / f"{other.key}.json", json.dumps(doc).encode())
         doc = record.to_json() | {"references": refs}
-        _write_atomic(path, json.dumps(doc, indent=1).encode())
+        write_atomic(path, json.dumps(doc, indent=1).encode())
 
     def _index_path(self, digest: str) -> Path:
         return self.root / "layers" / f"{_hex(digest)}.json"
@@ -436,7 +422,7 @@ class ImageStore:
             await trio.to_thread.run_sync(converter.feed, bytes(pending), limiter=self._limiter)
         index = await trio.to_thread.run_sync(converter.finish, limiter=self._limiter)
         raw = layerindex.dumps(index)
-        await trio.to_thread.run_sync(_write_atomic, path, raw)
+        await trio.to_thread.run_sync(write_atomic, path, raw)
         return index
 
     # -- trees ---------------------------------------------------------------

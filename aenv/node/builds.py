@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
-from aenv.node.sandbox import Kill, SandboxActor, Snapshot
+from aenv.node.sandbox import SandboxActor, Snapshot
 from aenv.proto import connect as cn
 from aenv.proto import envd_schema as es
 from aenv.proto.ids import InvalidName, check_name
@@ -395,7 +395,7 @@ class Builds:
             build.done.set()
             with trio.CancelScope(shield=True):
                 if actor is not None:
-                    await self._kill(actor)
+                    await actor.stop()
                 if snapshot_id is not None and not done:
                     with contextlib.suppress(Exception):
                         await self.node.snapshots.delete(snapshot_id)
@@ -405,11 +405,6 @@ class Builds:
     def _fail(self, build: Build, step: str, message: str) -> None:
         build.log(message, level="error", step=step)
         build.status, build.reason, build.reason_step = "error", message, step
-
-    async def _kill(self, actor: SandboxActor) -> None:
-        with trio.move_on_after(60), contextlib.suppress(Exception):
-            await actor.mailbox.ask(Kill(), timeout=60)
-            await actor.stopped.wait()
 
     async def _base(self, build: Build, spec: BuildSpec) -> Template:
         try:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from aenv.node.sandbox import Kill, SandboxActor
+from aenv.node.sandbox import SandboxActor
 from aenv.node.warm import snapshot_name
 from aenv.proto import lifecycle as lc
 from aenv.proto.requests import NewSandbox
@@ -109,12 +109,4 @@ class Pool:
             self._filling.discard(key)
             if not self._hot(key):
                 while queue:
-                    await self._kill(queue.popleft())
-
-    async def _kill(self, actor: SandboxActor) -> None:
-        with trio.CancelScope(shield=True), trio.move_on_after(60):
-            try:
-                await actor.mailbox.ask(Kill(), timeout=60)
-                await actor.stopped.wait()
-            except Exception:
-                pass
+                    await queue.popleft().stop()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
-import os
 import secrets
 import shutil
 import time
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
+from aenv.kit.files import fsync_tree
 from aenv.kit.mailbox import Mailbox, Request
 from aenv.proto import lifecycle as lc
 from aenv.proto.netpolicy import EgressPolicy
@@ -47,22 +47,6 @@ LOG_LINES = 1000
 # control calls to envd leave no idle connection behind (a checkpoint would hold it)
 _CLOSE = {"Connection": "close"}
 _CLOSE_GRACE_S = 0.05
-
-
-def _fsync_tree(path: Path) -> None:
-    """fsync every file of a directory, then the directory (blocking)."""
-    for f in path.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SandboxNotRunning(Exception):
@@ -549,7 +533,7 @@ class SandboxActor:
         """
         try:
             if self._resume_image is not None:
-                await trio.to_thread.run_sync(_fsync_tree, self._resume_image)
+                await trio.to_thread.run_sync(fsync_tree, self._resume_image)
             doc = self.paused_record()
             meta = self.node.meta
             await meta.run(meta.store.put_sandbox, self.sandbox_id, "paused", doc, time.time())
@@ -794,6 +778,18 @@ class SandboxActor:
                         raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
         except Exception as exc:
             req.fail(exc)
+
+    async def stop(self, *, within_s: float = 60.0) -> None:
+        """Kill this sandbox and wait for its teardown; never raises, survives cancellation.
+
+        For the node's own sandboxes (build, warm-up, pool): best effort, bounded.
+        """
+        with trio.CancelScope(shield=True), trio.move_on_after(within_s):
+            try:
+                await self.mailbox.ask(Kill(), timeout=within_s)
+                await self.stopped.wait()
+            except Exception:
+                log.debug("sandbox %s was gone before its kill", self.sandbox_id)
 
     async def freeze_pooled(self) -> None:
         await self.mailbox.ask(PoolFreeze(), timeout=60)

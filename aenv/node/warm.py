@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from aenv.node.sandbox import Kill, SandboxActor, Snapshot
+from aenv.node.sandbox import SandboxActor, Snapshot
 from aenv.proto import ids
 from aenv.proto.requests import NewSandbox
 from aenv.storage.templates import Template
@@ -94,12 +94,7 @@ class Warmer:
         finally:
             self._warming.discard(name)
             if actor is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(60):
-                    try:
-                        await actor.mailbox.ask(Kill(), timeout=60)
-                        await actor.stopped.wait()
-                    except Exception:
-                        pass
+                await actor.stop()
 
     async def forget(self, template_id: str) -> None:
         """Delete every snapshot a template's sandboxes were restored from."""

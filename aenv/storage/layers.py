@@ -41,6 +41,8 @@ from typing import Any
 
 import trio
 
+from aenv.kit.files import fsync_dir
+
 __all__ = [
     "DEFAULT_MAX_DEPTH",
     "Layer",
@@ -260,7 +262,7 @@ class LayerStore:
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         doomed = self.tmp_dir / f"{layer_id}.gc"
         os.rename(self.layers_dir / layer_id, doomed)
-        _fsync_dir(self.layers_dir)
+        fsync_dir(self.layers_dir)
         _rmtree(doomed)
 
     # -- helpers -----------------------------------------------------------
@@ -293,11 +295,11 @@ class LayerStore:
                 "created": time.time(),
             }
             _write_durably(staging / _META, json.dumps(meta, indent=1).encode())
-            _fsync_dir(staging)
+            fsync_dir(staging)
             os.rename(staging, final)
-            _fsync_dir(self.layers_dir)
+            fsync_dir(self.layers_dir)
             if moved_from is not None:
-                _fsync_dir(moved_from.parent)
+                fsync_dir(moved_from.parent)
         except BaseException:
             if moved_from is not None and (staging / _TREE).exists():
                 # Put the upper back so the caller still has its data.
@@ -361,14 +363,6 @@ def _write_durably(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.rename(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _libc: ctypes.CDLL | None = None

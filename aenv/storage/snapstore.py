@@ -46,6 +46,7 @@ from typing import Any
 
 import trio
 
+from aenv.kit.files import fsync_tree
 from aenv.proto.layerindex import (
     CHUNK_SIZE,
     BadIndex,
@@ -394,24 +395,6 @@ def finish_tree(index: LayerIndex, tree: Path) -> None:
         os.utime(dest, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
 
 
-def _fsync_tree(tree: Path) -> None:
-    for dirpath, _dirs, files in os.walk(tree):
-        for name in files:
-            p = os.path.join(dirpath, name)
-            if os.path.islink(p) or not os.path.isfile(p):
-                continue
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 # -- uploading ----------------------------------------------------------------------
 
 
@@ -674,7 +657,7 @@ async def materialise_layer(
         raise _unavailable(snapshot_id, f"layer index {blob_key(layer.index)!r}", exc) from None
     await _fill(store, snapshot_id, pieces, concurrency, io)
     await trio.to_thread.run_sync(finish_tree, index, tree, limiter=io)
-    await trio.to_thread.run_sync(_fsync_tree, tree, limiter=io)
+    await trio.to_thread.run_sync(fsync_tree, tree, limiter=io)
     return index.content_bytes
 
 
@@ -742,7 +725,7 @@ async def download_image(
                 "does not match its checksum"
             )
         sums[f.name] = actual
-    await trio.to_thread.run_sync(_fsync_tree, dest, limiter=io)
+    await trio.to_thread.run_sync(fsync_tree, dest, limiter=io)
     return sums
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from aenv.kit.files import fsync_dir, write_atomic
 from aenv.proto.envd_schema import ENVD_VERSION
 from aenv.proto.ids import InvalidName, check_name
 
@@ -283,27 +284,8 @@ def _parse(
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json_atomic(path: Path, data: dict[str, object]) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 def tree_size_mb(path: Path) -> int:
@@ -469,7 +451,7 @@ class TemplateStore:
                 moved = True
                 _write_json_atomic(staging / METADATA_FILE, template._to_json())
                 os.rename(staging, template_dir)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
             except BaseException:
                 if moved and not rootfs_dir.exists():
                     # Give the caller its directory back rather than losing it.
@@ -526,7 +508,7 @@ class TemplateStore:
             try:
                 _write_json_atomic(staging / METADATA_FILE, template._to_json())
                 os.rename(staging, self.root / template_id)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
@@ -594,7 +576,7 @@ class TemplateStore:
                 try:
                     _write_json_atomic(staging / METADATA_FILE, template._to_json())
                     os.rename(staging, self.root / template_id)
-                    _fsync_dir(self.root)
+                    fsync_dir(self.root)
                 except BaseException:
                     shutil.rmtree(staging, ignore_errors=True)
                     raise
@@ -608,6 +590,6 @@ class TemplateStore:
             template = self.resolve(name_or_id)
             trash = self.root / f"{_TRASH_PREFIX}{template.template_id}-{secrets.token_hex(4)}"
             os.rename(self.root / template.template_id, trash)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         shutil.rmtree(trash, ignore_errors=True)
         log.info("deleted template %s", template.template_id)

@@ -20,7 +20,7 @@ def test_minimal_start_defaults() -> None:
         [],
         {},
         None,
-        "user",
+        None,  # the sandbox's default user (its template's)
         None,
         True,
     )
