@@ -503,15 +503,7 @@ class TemplateStore:
                 workdir=workdir or None,
                 user=user or None,
             )
-            staging = self.root / f"{_STAGING_PREFIX}{template_id}-{secrets.token_hex(4)}"
-            staging.mkdir(mode=0o755)
-            try:
-                _write_json_atomic(staging / METADATA_FILE, template._to_json())
-                os.rename(staging, self.root / template_id)
-                fsync_dir(self.root)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
+            self._publish(template)
         log.info("added template %s from image %s (%s)", template_id, image_ref, image_key[:12])
         return template
 
@@ -571,17 +563,21 @@ class TemplateStore:
             if old is not None:
                 _write_json_atomic(self.root / template_id / METADATA_FILE, template._to_json())
             else:
-                staging = self.root / f"{_STAGING_PREFIX}{template_id}-{secrets.token_hex(4)}"
-                staging.mkdir(mode=0o755)
-                try:
-                    _write_json_atomic(staging / METADATA_FILE, template._to_json())
-                    os.rename(staging, self.root / template_id)
-                    fsync_dir(self.root)
-                except BaseException:
-                    shutil.rmtree(staging, ignore_errors=True)
-                    raise
+                self._publish(template)
         log.info("template %s: build %s ready (snapshot %s)", template_id, build_id, snapshot_id)
         return template, None if old is None else old.snapshot_id
+
+    def _publish(self, template: Template) -> None:
+        """Make a template that has no root filesystem of its own appear (hold the lock)."""
+        staging = self.root / f"{_STAGING_PREFIX}{template.template_id}-{secrets.token_hex(4)}"
+        staging.mkdir(mode=0o755)
+        try:
+            _write_json_atomic(staging / METADATA_FILE, template._to_json())
+            os.rename(staging, self.root / template.template_id)
+            fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
 
     def delete(self, name_or_id: str) -> None:
         """Remove a template (by ID or alias) and its root filesystem."""
