@@ -1,7 +1,7 @@
 """A pool of restored sandboxes per hot template: create becomes an assignment.
 
-For a template that is a snapshot (`aenv.node.warm`) and was asked for in
-the last `HOT_FOR_S` seconds, the pool keeps up to `size` sandboxes restored
+For a template that is a snapshot (`aenv.node.warm`) and was asked for twice
+within `HOT_FOR_S` seconds, the pool keeps up to `size` sandboxes restored
 from that snapshot, hidden, with envd up, their processes frozen (no CPU;
 their memory is the pool's bound: `size` sandboxes per hot template). A
 create of that template with the template's default size takes one
@@ -42,7 +42,8 @@ class Pool:
         self._nursery = nursery
         self._ready: dict[str, collections.deque[SandboxActor]] = {}
         self._filling: set[str] = set()
-        self._used_at: dict[str, float] = {}
+        # when each template was last asked for (the last two times)
+        self._used_at: dict[str, collections.deque[float]] = {}
         self._wake: dict[str, trio.Event] = {}
 
     def take(self, template: Template) -> SandboxActor | None:
@@ -53,7 +54,7 @@ class Pool:
         if self.size == 0:
             return None
         key = snapshot_name(template)
-        self._used_at[key] = time.monotonic()
+        self._used_at.setdefault(key, collections.deque(maxlen=2)).append(time.monotonic())
         queue = self._ready.setdefault(key, collections.deque())
         found = None
         while queue:
@@ -82,7 +83,11 @@ class Pool:
             self._nursery.start_soon(self._fill, template)
 
     def _hot(self, key: str) -> bool:
-        return time.monotonic() - self._used_at.get(key, -HOT_FOR_S) < HOT_FOR_S
+        """Asked for twice within HOT_FOR_S: one-off templates get no pool."""
+        uses = self._used_at.get(key)
+        if uses is None or len(uses) < 2:
+            return False
+        return time.monotonic() - uses[0] < HOT_FOR_S
 
     async def _fill(self, template: Template) -> None:
         """Keep the template's queue full while it is hot; empty it once it is cold."""
