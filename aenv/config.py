@@ -43,6 +43,9 @@ class Config:
     max_body_bytes: int = 1 << 20
     # Keep each template as a memory snapshot so its sandboxes restore, not boot.
     warm_templates: bool = True
+    # A full pause freezes the sandbox in memory; after this long paused it is
+    # written to disk and its memory released (AENV_HIBERNATE_AFTER, seconds).
+    hibernate_after_s: float = 60.0
     # Restored sandboxes kept ready per recently used template (0: no pool).
     pool_size: int = 2
     # Byte bound on the local chunk cache of image contents (AENV_CACHE_MAX_BYTES).
@@ -138,6 +141,8 @@ class Config:
                 "no",
                 "off",
             )
+        if env.get("AENV_HIBERNATE_AFTER"):
+            kw["hibernate_after_s"] = float(env["AENV_HIBERNATE_AFTER"])
         if env.get("AENV_POOL_SIZE"):
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
         if env.get("AENV_STORE_URL"):

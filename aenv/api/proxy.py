@@ -23,9 +23,11 @@ import trio
 import trio_websocket
 
 from aenv.node.node import Node, SandboxNotFound
+from aenv.node.sandbox import Resume
 from aenv.proto.routing import Route, RoutingError, route
 from aenv.runtimes.base import ENVD_PORT
 
+RESUME_TIMEOUT_S = 120.0
 log = logging.getLogger("aenv.proxy")
 
 Scope = MutableMapping[str, Any]
@@ -94,6 +96,7 @@ class SandboxProxy:
         if target is None:
             await self.app(scope, receive, send)
             return
+        await self._wake(target)
         found = self._upstream(target, headers)
         if isinstance(found[0], int):
             status, message = found
@@ -111,6 +114,18 @@ class SandboxProxy:
             self.node.m_proxied.inc(kind="websocket")
             assert isinstance(found[0], str)
             await self._websocket(scope, receive, send, found[0])
+
+    async def _wake(self, target: Route) -> None:
+        """Resume a paused sandbox created with autoResume before its traffic goes in."""
+        try:
+            actor = self.node.get(target.sandbox_id)
+        except SandboxNotFound:
+            return
+        if actor.auto_resume and actor.state.value == "paused":
+            try:
+                await actor.mailbox.ask(Resume(None), timeout=RESUME_TIMEOUT_S)
+            except Exception as exc:  # the request then fails as for any paused sandbox
+                log.warning("auto-resume of %s failed: %r", target.sandbox_id, exc)
 
     def _upstream(
         self, target: Route, headers: dict[str, str]

@@ -77,6 +77,7 @@ async def serve(
                 log.info("aenv node listening on http://%s (home %s)", config.listen, config.home)
                 task_status.started(node)
             # Hypercorn has drained its connections; stop the rest
+            await node.hibernate_paused()  # paused in memory: to disk, to survive
             log.info("stopping every sandbox")
             outer.cancel_scope.cancel()
     log.info("aenv node stopped")

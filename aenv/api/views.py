@@ -71,7 +71,13 @@ def sandbox_detail(a: SandboxActor, domain: str | None) -> dict[str, Any]:
             "allowInternetAccess": a.allow_internet_access,
             "domain": domain,
             "network": network,
-            "lifecycle": {"autoResume": False, "onTimeout": "pause" if a.auto_pause else "kill"},
+            "lifecycle": {
+                "autoResume": a.auto_resume,
+                "onTimeout": "pause" if a.auto_pause else "kill",
+            },
+            # aenv extension: a paused sandbox still in memory (resumes in
+            # milliseconds) or written to disk (survives a node crash)
+            "pausedInMemory": a.paused_in_memory,
         }
     )
     if a.state.value == "paused":

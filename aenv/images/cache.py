@@ -402,6 +402,22 @@ class ChunkCache:
 
     # -- introspection -----------------------------------------------------
 
+    def peek(self, digest: str) -> bytes | None:
+        """A cached chunk's verified bytes, or None (blocking; no hit counted, LRU untouched).
+
+        For copying chunks elsewhere (the object store): a chunk evicted or
+        damaged meanwhile is None, never wrong bytes.
+        """
+        hexd = _hex_of(digest)
+        with self._lock:
+            if hexd not in self._lru:
+                return None
+        try:
+            data = self._path(hexd).read_bytes()
+        except FileNotFoundError:
+            return None
+        return data if hashlib.sha256(data).hexdigest() == hexd else None
+
     def __contains__(self, digest: str) -> bool:
         with self._lock:
             return _hex_of(digest) in self._lru

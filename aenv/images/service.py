@@ -5,6 +5,8 @@ node's lifetime: the registry client lives in the node's loop, the chunk
 cache and FUSE file system in the image mount's own thread (see
 `aenv.images.mount`). `Images.prepare(key)` makes a pulled image's tree
 visible at `mount / key` before a sandbox's overlay is stacked on it.
+`Images.attach_store(objects)` shares converted layers through the node's
+object store (the node passes its `ObjectStore`; images/ never imports it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from aenv.config import Config
 from aenv.images.cache import ChunkCache
 from aenv.images.fusefs import ImageFS
 from aenv.images.mount import ImageMount, main_loop_fetcher, open_image_mount
+from aenv.images.objects import ChunkStore
 from aenv.images.registry import RegistryConfig, open_registry_client
 from aenv.images.store import ImageRecord, ImageStore
 
@@ -96,10 +99,22 @@ class CredentialsFile(Mapping[str, tuple[str, str]]):
 
 
 class Images:
-    def __init__(self, *, store: ImageStore, mount: ImageMount) -> None:
+    def __init__(
+        self, *, store: ImageStore, mount: ImageMount, nursery: trio.Nursery | None = None
+    ) -> None:
         self.store = store
         self.mount = mount
+        self._nursery = nursery
         self._shown: set[str] = set()
+
+    def attach_store(self, objects: ChunkStore | None) -> None:
+        """Share converted layers through the node's object store (None: durable storage off).
+
+        Layer uploads run in the image service's own tasks, ended with it.
+        """
+        if self._nursery is None:
+            raise RuntimeError("Images was not opened with open_images")
+        self.store.use_object_store(objects, self._nursery)
 
     @property
     def cache(self) -> ChunkCache:
@@ -124,6 +139,9 @@ class Images:
             "cache": self.cache.statistics(),
             "fs": self.mount.fs.statistics(),
             "bytesDownloaded": self.store.bytes_downloaded,
+            "bytesFromStore": self.store.bytes_from_store,
+            "layersFromStore": self.store.layers_from_store,
+            "uploads": self.store.uploads.statistics(),
         }
 
 
@@ -151,5 +169,11 @@ async def open_images(config: Config) -> AsyncIterator[Images]:
         store = ImageStore(root=config.images_dir, cache=cache, registry=registry)
         store_box.append(store)
         fs = ImageFS(cache=cache)
-        async with open_image_mount(config.run_dir / "images", fs=fs, cache=cache) as mount:
-            yield Images(store=store, mount=mount)
+        async with (
+            open_image_mount(config.run_dir / "images", fs=fs, cache=cache) as mount,
+            trio.open_nursery() as nursery,
+        ):
+            try:
+                yield Images(store=store, mount=mount, nursery=nursery)
+            finally:
+                nursery.cancel_scope.cancel()  # layer uploads resume at the next start

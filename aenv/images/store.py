@@ -9,10 +9,18 @@ manifest digest, config, layer digests) is written last, atomically, under
 `<root>/records/`, so a failed or cancelled pull leaves no image behind;
 chunks it cached are ordinary cache entries that age out.
 
+With an object store (`use_object_store`), converted layers are shared:
+each is uploaded in the background once its image is recorded (chunks, then
+its index; see `aenv.images.objects`), and a layer whose index is already
+in the store (converted by another node, or by this one before its disk was
+wiped) is not downloaded or converted at all: its index is fetched, checked
+against the manifest's digest and size and the config's diff_id, and kept.
+
 Trees are built on demand from the layer indexes (`tree(key)`) and handed to
 the FUSE file system, which reads content through the cache. A chunk that is
-not in the cache is cut again from its layer's blob at the registry it came
-from (`fetch_chunk`): concurrent misses on one layer share one pass over the
+not in the cache is fetched from the object store (one blob, verified), else
+cut again from its layer's blob at the registry it came from
+(`fetch_chunk`): concurrent misses on one layer share one pass over the
 blob where they can. Layer indexes are small metadata and are never evicted.
 """
 
@@ -23,7 +31,7 @@ import json
 import logging
 import platform as platform_module
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +41,7 @@ import trio
 
 from aenv.images.cache import ChunkCache
 from aenv.images.convert import ChunkCutter, ConversionError, LayerConverter
+from aenv.images.objects import ChunkSink, ChunkStore, LayerOrphaned, LayerUploads, layer_key
 from aenv.images.registry import RegistryClient, RegistryError
 from aenv.kit.files import write_atomic
 from aenv.proto import layerindex
@@ -52,11 +61,11 @@ __all__ = [
 log = logging.getLogger("aenv.images")
 
 RECORD_VERSION = 1
-_FEED_BYTES = 1 << 20
-_BATCH_WINDOW_S = 0.005
-_READ_AHEAD_BYTES = (
-    32 << 20
-)  # cut this much more of a layer in a re-fetch pass  # misses on one layer this close together share a pass  # hand the converter at least this much per thread hop
+_FEED_BYTES = 1 << 20  # hand the converter at least this much per thread hop
+_BATCH_WINDOW_S = 0.005  # misses on one layer this close together share a pass
+_READ_AHEAD_BYTES = 32 << 20  # cut this much more of a layer in a re-fetch pass
+_STORE_LOOKUP_S = 10.0  # longest wait for a layer index from the object store in a pull
+_STORE_BACKOFF_S = 30.0  # after a store failure, skip the store for this long
 
 
 class PullError(Exception):
@@ -251,6 +260,37 @@ class ImageStore:
         self._refetches: dict[str, _Refetch] = {}
         self._chunk_lists: dict[str, tuple[LayerIndex, list[Chunk]]] = {}
         self.bytes_downloaded = 0
+        self.bytes_from_store = 0  # chunk bytes fetched from the object store
+        self.layers_from_store = 0  # layer indexes taken from the store instead of converting
+        self.objects: ChunkStore | None = None
+        self._store_down_until = 0.0
+        self.uploads = LayerUploads(
+            root=root / "uploads", load_index=self.load_index, cached=cache.peek, recut=self.recut
+        )
+
+    def use_object_store(self, objects: ChunkStore | None, nursery: trio.Nursery) -> None:
+        """Share converted layers through `objects` (None: keep them local).
+
+        Uploads run in `nursery`; layers converted earlier and not uploaded yet
+        are resumed now.
+        """
+        self.objects = objects
+        if objects is not None:
+            self.uploads.start(objects, nursery)
+
+    def _store_usable(self) -> ChunkStore | None:
+        if self.objects is None or time.monotonic() < self._store_down_until:
+            return None
+        return self.objects
+
+    def _store_failed(self, what: str, exc: BaseException) -> None:
+        log.warning(
+            "object store failed (%s); using the registry for %.0fs: %s",
+            what,
+            _STORE_BACKOFF_S,
+            exc,
+        )
+        self._store_down_until = time.monotonic() + _STORE_BACKOFF_S
 
     # -- records -------------------------------------------------------------
 
@@ -308,8 +348,10 @@ class ImageStore:
             resolved = await self.registry.resolve(ref, platform=(os_name, arch or "amd64"))
             indexes: list[LayerIndex | None] = [None] * len(resolved.layers)
 
+            diff_ids = list(resolved.config.diff_ids)
+
             async def one(i: int) -> None:
-                indexes[i] = await self._layer(ref, resolved.layers[i])
+                indexes[i] = await self._layer(ref, resolved.layers[i], diff_ids[i])
 
             try:
                 async with trio.open_nursery() as nursery:
@@ -341,6 +383,8 @@ class ImageStore:
             pulled_at=time.time(),
         )
         await trio.to_thread.run_sync(self._save_record, record)
+        for digest in record.layers:  # converted here: share them (in the background)
+            self.uploads.spawn(digest)
         log.info(
             "pulled %s (%s, %d layers, %d MiB) in %.2fs",
             ref,
@@ -377,8 +421,8 @@ class ImageStore:
         """A converted layer's index (blocking)."""
         return layerindex.loads(self._index_path(digest).read_bytes())
 
-    async def _layer(self, ref: ImageRef, desc: Any) -> LayerIndex:
-        """The index of layer `desc`, converting it from the registry unless done before."""
+    async def _layer(self, ref: ImageRef, desc: Any, diff_id: str) -> LayerIndex:
+        """The index of layer `desc`: local, else from the object store, else converted."""
         lock = self._layer_locks.setdefault(desc.digest, trio.Lock())
         async with lock:
             path = self._index_path(desc.digest)
@@ -388,6 +432,9 @@ class ImageStore:
                 pass
             except layerindex.BadIndex as exc:
                 log.warning("layer index %s is corrupt (%s); converting again", path.name, exc)
+            index = await self._index_from_store(desc, diff_id)
+            if index is not None:
+                return index
             stored: list[str] = []  # chunks new to the cache, dropped if this fails
 
             def put_chunk(digest: str, data: bytes) -> None:
@@ -422,7 +469,49 @@ class ImageStore:
             await trio.to_thread.run_sync(converter.feed, bytes(pending), limiter=self._limiter)
         index = await trio.to_thread.run_sync(converter.finish, limiter=self._limiter)
         raw = layerindex.dumps(index)
+        await trio.to_thread.run_sync(self.uploads.mark, desc.digest)  # before the index
         await trio.to_thread.run_sync(write_atomic, path, raw)
+        return index
+
+    async def _index_from_store(self, desc: Any, diff_id: str) -> LayerIndex | None:
+        """Layer `desc`'s index from the object store, checked and kept locally; else None.
+
+        Its chunks are all in the store (an index is uploaded last), so the
+        blob is never downloaded: content arrives chunk by chunk on first read.
+        """
+        store = self._store_usable()
+        if store is None:
+            return None
+        raw = None
+        with trio.move_on_after(_STORE_LOOKUP_S):
+            try:
+                raw = await store.get(layer_key(desc.digest))
+            except KeyError:
+                return None
+            except Exception as exc:
+                self._store_failed(f"looking up layer {desc.digest[:19]}", exc)
+                return None
+        if raw is None:
+            self._store_failed(f"looking up layer {desc.digest[:19]}", TimeoutError("timed out"))
+            return None
+        try:
+            index = await trio.to_thread.run_sync(layerindex.loads, raw)
+        except layerindex.BadIndex as exc:
+            log.warning("layer index of %s in the object store is corrupt: %s", desc.digest, exc)
+            return None
+        if (index.digest, index.size, index.diff_id) != (desc.digest, desc.size, diff_id):
+            log.warning(
+                "layer index of %s in the object store does not match the image "
+                "(digest %s size %d diff_id %s); converting the layer",
+                desc.digest,
+                index.digest,
+                index.size,
+                index.diff_id,
+            )
+            return None
+        await trio.to_thread.run_sync(write_atomic, self._index_path(desc.digest), raw)
+        self.layers_from_store += 1
+        log.info("layer %s: index from the object store, blob not downloaded", desc.digest[:19])
         return index
 
     # -- trees ---------------------------------------------------------------
@@ -451,10 +540,35 @@ class ImageStore:
         raise ImageNotPulled(f"no pulled image has layer {layer}")
 
     async def fetch_chunk(self, chunk: Chunk, layer: str) -> bytes:
-        """Cut `chunk` again from `layer`'s blob at its registry (the cache's fetcher).
+        """`chunk`'s bytes from the object store, else cut again from `layer`'s blob.
 
-        Misses on one layer within a short window share one pass over the blob.
+        The cache's fetcher. A chunk not in the store (or a store that fails)
+        goes to the registry, where misses on one layer within a short window
+        share one pass over the blob.
         """
+        data = await self._chunk_from_store(chunk)
+        if data is not None:
+            return data
+        return await self._chunk_from_registry(chunk, layer)
+
+    async def _chunk_from_store(self, chunk: Chunk) -> bytes | None:
+        store = self._store_usable()
+        if store is None:
+            return None
+        try:
+            data = await store.get_blob(chunk.digest)  # verified against the digest
+        except KeyError:
+            return None
+        except Exception as exc:
+            self._store_failed(f"fetching chunk {chunk.digest[:19]}", exc)
+            return None
+        if len(data) != chunk.size:
+            log.warning("chunk %s in the object store has the wrong size", chunk.digest)
+            return None
+        self.bytes_from_store += len(data)
+        return data
+
+    async def _chunk_from_registry(self, chunk: Chunk, layer: str) -> bytes:
         job = self._refetches.get(layer)
         if job is None or job.started:
             job = _Refetch(layer=layer)
@@ -542,6 +656,33 @@ class ImageStore:
             raise
         finally:
             job.done.set()
+
+    async def recut(self, layer: str, chunks: Sequence[Chunk], sink: ChunkSink) -> None:
+        """Cut `chunks` of `layer` from its registry blob in one pass, each into `sink`.
+
+        `sink` runs in this loop while the cutting thread waits for it, so at
+        most one chunk is held at a time. `LayerOrphaned` if no pulled image
+        has the layer.
+        """
+        try:
+            ref = await trio.to_thread.run_sync(self._source, layer)
+        except ImageNotPulled as exc:
+            raise LayerOrphaned(str(exc)) from None
+        index = await trio.to_thread.run_sync(self.load_index, layer)
+        desc = _LayerDesc(digest=index.digest, size=index.size, media_type=index.media_type)
+
+        def found(chunk: Chunk, data: bytes) -> None:  # in a worker thread
+            trio.from_thread.run(sink, chunk, data)
+
+        cutter = ChunkCutter(wanted=chunks, on_chunk=found, media_type=desc.media_type)
+        async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
+            async for piece in stream:
+                self.bytes_downloaded += len(piece)
+                await trio.to_thread.run_sync(cutter.feed, piece, limiter=self._limiter)
+                if cutter.done:
+                    break
+        if not cutter.done:
+            await trio.to_thread.run_sync(cutter.finish, limiter=self._limiter)
 
 
 @dataclass(frozen=True)

@@ -174,6 +174,11 @@ class Node:
             "Blob bytes downloaded from registries (pulls and re-fetches)",
             lambda: [((), float(self.images.store.bytes_downloaded))],
         )
+        m.counter(
+            "aenv_image_store_fetched_bytes_total",
+            "Chunk bytes fetched from the object store",
+            lambda: [((), float(self.images.store.bytes_from_store))],
+        )
 
     def _state_counts(self) -> list[tuple[tuple[tuple[str, str], ...], float]]:
         counts: dict[str, int] = {}
@@ -468,6 +473,22 @@ class Node:
             memory_mb=int(doc.get("memoryMB") or template.memory_mb),
         )
 
+    async def hibernate_paused(self, *, within_s: float = 60.0) -> None:
+        """Write every sandbox paused in memory to disk (before a clean shutdown),
+        so it survives the restart like any other paused sandbox."""
+        from aenv.node.sandbox import Hibernate
+
+        frozen = [a for a in self._sandboxes.values() if a.frozen_pause]
+        if not frozen:
+            return
+        log.info("writing %d paused sandboxes to disk", len(frozen))
+        with trio.move_on_after(within_s):
+            for actor in frozen:
+                with contextlib.suppress(Exception):
+                    await actor.mailbox.ask(Hibernate(), timeout=within_s)
+            for actor in frozen:
+                await actor.unfrozen.wait()
+
     async def kill(self, sandbox_id: str) -> None:
         from aenv.node.sandbox import Kill
 
@@ -516,6 +537,7 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         await node.layers.gc(await node.snapshots.layer_ids() | await node.paused_layer_ids())
         await node.recover_paused()
         await node.durable.resume()  # unfinished snapshot uploads
+        images.attach_store(node.durable.store)  # image layers shared via the store
         try:
             yield node
         finally:

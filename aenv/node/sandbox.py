@@ -128,6 +128,11 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class Hibernate:
+    """Write a frozen paused sandbox to disk now (node shutdown, memory needed)."""
+
+
+@dataclass(frozen=True)
 class PoolFreeze:
     """Freeze a pooled sandbox's processes until it is adopted."""
 
@@ -151,6 +156,7 @@ Msg = (
     | Snapshot
     | PoolFreeze
     | Adopt
+    | Hibernate
 )
 
 
@@ -174,6 +180,7 @@ class SandboxActor:
         self.allow_internet_access = req.allow_internet_access
         self.allow_public_traffic = req.allow_public_traffic
         self.auto_pause = req.auto_pause
+        self.auto_resume = req.auto_resume
         self.cpu_count = req.cpu_count or template.cpu_count
         self.memory_mb = req.memory_mb or template.memory_mb
         self.envd_access_token = secrets.token_urlsafe(24)
@@ -192,6 +199,14 @@ class SandboxActor:
         # a pool member waiting, frozen, to be adopted by a create
         self.pooled = False
         self._frozen = False
+        # paused by freezing: the runtime, mount and slot are kept until it hibernates
+        self.frozen_pause = False
+        self._hibernate_now = False
+        # a paused sandbox whose record and memory image are on disk (it survives a crash)
+        self.on_disk = False
+        # set once a frozen pause ends: resumed, written to disk, or killed
+        self.unfrozen = trio.Event()
+        self.unfrozen.set()
         self._timeout_s = req.timeout_s
         self._running: RunningSandbox | None = None
         # Node -> sandbox HTTP (envd control calls, proxied traffic) for the
@@ -229,6 +244,12 @@ class SandboxActor:
     @property
     def state(self) -> lc.State:
         return self.lifecycle.state
+
+    @property
+    def paused_in_memory(self) -> bool:
+        """Paused (or pausing) but not yet on disk: fast to resume, lost in a crash."""
+        paused = self.lifecycle.state in (lc.State.PAUSED, lc.State.PAUSING)
+        return paused and not self.on_disk
 
     def end_at(self) -> float:
         """Wall-clock expiry time."""
@@ -406,10 +427,16 @@ class SandboxActor:
             try:
                 while True:
                     await self._serve()
-                    if self.lifecycle.state is not lc.State.PAUSING:
-                        return True
-                    if await self._pause(disk):
-                        return False
+                    if self.frozen_pause and await self._serve_frozen():
+                        self.unfrozen.set()
+                        continue  # thawed: running again
+                    try:
+                        if self.lifecycle.state is not lc.State.PAUSING:
+                            return True
+                        if await self._pause(disk):
+                            return False
+                    finally:
+                        self.unfrozen.set()
             except Exception as exc:  # supervision: contain this sandbox's failure
                 log.exception("sandbox %s failed", self.sandbox_id)
                 if self.lifecycle.can(lc.Crashed("")):
@@ -421,6 +448,62 @@ class SandboxActor:
                 self._slot = None
                 self.sandbox_ip = None
                 self.http = None
+
+    async def _freeze_for_pause(self) -> bool:
+        """The fast tier of a full pause: stop every process, keep everything.
+
+        False if the runtime could not freeze (the caller falls back to
+        writing the sandbox to disk at once).
+        """
+        assert self._running is not None
+        try:
+            await self._running.freeze()
+        except Exception as exc:
+            self._log(f"freezing failed, writing to disk instead: {exc!r}", level="warn")
+            return False
+        self.lifecycle.step(lc.Paused(trio.current_time()))
+        self.frozen_pause = True
+        self.unfrozen = trio.Event()
+        self.paused_at = time.time()
+        self._log("paused (frozen)")
+        return True
+
+    async def _serve_frozen(self) -> bool:
+        """Paused in memory: wait for resume (True), kill, or the time to hibernate.
+
+        Returns False with the lifecycle in PAUSING (hibernate: write it to
+        disk now) or STOPPING (killed). The sandbox is thawed either way:
+        a checkpoint and the stop ladder both need it running.
+        """
+        assert self._running is not None
+        hibernate_at = trio.current_time() + self.node.config.hibernate_after_s
+        while self.lifecycle.state is lc.State.PAUSED and not self._hibernate_now:
+            with trio.move_on_at(hibernate_at):
+                req = await self.mailbox.receive()
+                await self._handle(req)
+                continue
+            break
+        self.frozen_pause = False
+        self._hibernate_now = False
+        try:
+            await self._running.thaw()
+        except Exception as exc:
+            self._log(f"thawing failed: {exc!r}", level="error")
+            if self.lifecycle.can(lc.Crashed("")):
+                self.lifecycle.step(lc.Crashed(repr(exc)))
+            return False
+        if self.lifecycle.state is lc.State.RESUMING:
+            self.lifecycle.step(lc.Resumed(trio.current_time()))
+            self.paused_at = None
+            self._log("resumed (from memory)")
+            for r in self._resumers:
+                r.reply(True)
+            self._resumers.clear()
+            return True
+        if self.lifecycle.state is lc.State.PAUSED:
+            self.lifecycle.step(lc.Hibernate())
+            self._log("hibernating (writing memory to disk)")
+        return False
 
     async def _pause(self, disk: Path) -> bool:
         """Capture the sandbox (memory unless filesystem mode) and freeze its upper.
@@ -516,6 +599,7 @@ class SandboxActor:
             "allowInternetAccess": self.allow_internet_access,
             "allowPublicTraffic": self.allow_public_traffic,
             "autoPause": self.auto_pause,
+            "autoResume": self.auto_resume,
             "cpuCount": self.cpu_count,
             "memoryMB": self.memory_mb,
             "startedAt": self.started_at,
@@ -537,10 +621,12 @@ class SandboxActor:
             doc = self.paused_record()
             meta = self.node.meta
             await meta.run(meta.store.put_sandbox, self.sandbox_id, "paused", doc, time.time())
+            self.on_disk = True
         except Exception:
             log.exception("recording paused sandbox %s failed", self.sandbox_id)
 
     async def _forget_record(self) -> None:
+        self.on_disk = False
         meta = self.node.meta
         with trio.CancelScope(shield=True):
             try:
@@ -568,6 +654,7 @@ class SandboxActor:
             allow_internet_access=doc["allowInternetAccess"],
             allow_public_traffic=bool(doc["allowPublicTraffic"]),
             auto_pause=bool(doc["autoPause"]),
+            auto_resume=bool(doc.get("autoResume")),
             auto_pause_memory=doc["pauseMode"] == "full",
             cpu_count=int(doc["cpuCount"]),
             memory_mb=int(doc["memoryMB"]),
@@ -586,6 +673,7 @@ class SandboxActor:
         actor._resume_image = None if doc["image"] is None else actor.workdir / str(doc["image"])
         actor._captures = int(doc.get("captures") or 0)
         actor._recovered_remaining = float(doc.get("remaining") or 0.0)
+        actor.on_disk = True
         return actor
 
     def _image_shared(self, image: Path) -> bool:
@@ -635,6 +723,7 @@ class SandboxActor:
             allow_internet_access=parent.allow_internet_access,
             allow_public_traffic=parent.allow_public_traffic,
             auto_pause=parent.auto_pause,
+            auto_resume=parent.auto_resume,
             auto_pause_memory=parent.pause_mode == "full",
             cpu_count=parent.cpu_count,
             memory_mb=parent.memory_mb,
@@ -733,7 +822,7 @@ class SandboxActor:
                     self.lifecycle.step(lc.Kill())
                     self._killers.append(req)  # answered once teardown is done
                 case SetNetwork(policy, allow_internet):
-                    if paused:
+                    if paused and not self.frozen_pause:
                         self.policy = policy  # applied to the next running period's slot
                     else:
                         await self._set_network(policy)
@@ -750,7 +839,13 @@ class SandboxActor:
                         raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
                     self.pause_mode = mode
                     self.lifecycle.step(lc.Pause(trio.current_time()))
-                    self._pausers.append(req)  # answered once the pause is done
+                    if mode == "full" and await self._freeze_for_pause():
+                        req.reply(None)  # frozen: paused; written to disk later
+                    else:
+                        self._pausers.append(req)  # answered once the pause is done
+                case Hibernate():
+                    self._hibernate_now = True
+                    req.reply(None)
                 case Fork() | Snapshot():
                     if self.lifecycle.state is not lc.State.RUNNING:
                         raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
@@ -812,6 +907,7 @@ class SandboxActor:
         self.allow_internet_access = new.allow_internet_access
         self.allow_public_traffic = new.allow_public_traffic
         self.auto_pause = self.lifecycle.auto_pause = new.auto_pause
+        self.auto_resume = new.auto_resume
         self.pause_mode = "full" if new.auto_pause_memory else "filesystem"
         self._prior_token = self.envd_access_token
         self.envd_access_token = secrets.token_urlsafe(24)

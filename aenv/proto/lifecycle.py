@@ -10,7 +10,9 @@ from any live state; running -> pausing -> paused -> resuming -> running for
 pause/resume. Time spent paused does not count against the TTL: pausing
 banks the time left, resuming re-arms it (or the timeout the caller gives).
 A failed pause leaves the sandbox running; a failed resume leaves it paused.
-A paused sandbox recorded before a node restart starts its new life paused
+A paused sandbox may first be frozen (still in memory) and later written to
+disk: hibernating takes it paused -> pausing -> paused again, its banked TTL
+untouched. A paused sandbox recorded before a node restart starts its new life paused
 (creating -> paused), with the time it had left.
 """
 
@@ -114,6 +116,11 @@ class Resumed:
 
 
 @dataclass(frozen=True)
+class Hibernate:
+    """A frozen (paused, still in memory) sandbox is now written to disk."""
+
+
+@dataclass(frozen=True)
 class Recovered:
     """A paused sandbox taken up again after a node restart, with the TTL it had left."""
 
@@ -128,6 +135,7 @@ class ResumeFailed:
 Event = (
     Ready
     | Recovered
+    | Hibernate
     | SetTimeout
     | Expire
     | Kill
@@ -171,6 +179,7 @@ _LIVE = frozenset({State.CREATING, State.RUNNING, State.PAUSING, State.PAUSED, S
 _ALLOWED: dict[type[object], frozenset[State]] = {
     Ready: frozenset({State.CREATING}),
     Recovered: frozenset({State.CREATING}),
+    Hibernate: frozenset({State.PAUSED}),
     SetTimeout: frozenset({State.RUNNING}),
     Expire: frozenset({State.RUNNING}),
     Kill: _LIVE,
@@ -210,6 +219,10 @@ class Lifecycle:
                 self.state = State.RUNNING
                 self.deadline = now + timeout_s
                 return [ArmDeadline(self.deadline)]
+            case Hibernate():
+                # the TTL banked at the pause stays banked
+                self.state = State.PAUSING
+                return [Checkpoint()]
             case Recovered(remaining):
                 self.state = State.PAUSED
                 self.remaining = max(0.0, remaining)

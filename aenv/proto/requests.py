@@ -47,6 +47,8 @@ class NewSandbox:
     auto_pause: bool = False
     # what an auto-pause saves: memory and filesystem (True) or the filesystem only
     auto_pause_memory: bool = True
+    # traffic to the paused sandbox through the node's proxy resumes it
+    auto_resume: bool = False
     # aenv extension: size this sandbox instead of using the template's default
     cpu_count: int | None = None
     memory_mb: int | None = None
@@ -106,10 +108,16 @@ def _bounded_int(body: Mapping[str, Any], key: str, low: int, high: int) -> int 
     return v
 
 
+def _auto_resume(raw: object) -> bool:
+    if raw is None:
+        return False
+    enabled = _obj(raw, "autoResume").get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise BadRequest("autoResume.enabled must be a boolean")
+    return enabled
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    auto_resume = body.get("autoResume")
-    if auto_resume is not None and _obj(auto_resume, "autoResume").get("enabled") is True:
-        raise BadRequest("autoResume is not supported by this node yet")
     if body.get("mcp") not in (None, {}):
         raise BadRequest("mcp is not supported by this node")
     if body.get("volumeMounts") not in (None, []):
@@ -151,6 +159,12 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
         except InvalidReference as ref_error:
             raise BadRequest(f"{e} (nor is it an image reference: {ref_error})") from None
     _refuse_unsupported(b)
+    auto_pause = bool(_bool(b, "autoPause"))
+    auto_resume = _auto_resume(b.get("autoResume"))
+    if auto_resume and not auto_pause:
+        raise BadRequest("autoResume needs autoPause (lifecycle onTimeout: pause)")
+    if auto_resume and _bool(b, "autoPauseMemory") is False:
+        raise BadRequest("autoResume cannot resume a filesystem-only pause")
     allow_internet = _bool(b, "allow_internet_access")
     net_raw = b.get("network")
     net = None if net_raw is None else _obj(net_raw, "network")
@@ -170,7 +184,8 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
         policy=_policy(allow_internet, net),
         allow_internet_access=allow_internet,
         allow_public_traffic=allow_public,
-        auto_pause=bool(_bool(b, "autoPause")),
+        auto_pause=auto_pause,
+        auto_resume=auto_resume,
         auto_pause_memory=_bool(b, "autoPauseMemory") is not False,
         cpu_count=_bounded_int(b, "cpuCount", 1, limits.max_cpu),
         memory_mb=_bounded_int(b, "memoryMB", 128, limits.max_memory_mb),

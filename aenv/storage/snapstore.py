@@ -14,6 +14,8 @@ snapshots (lower layers, unchanged files) is uploaded once. The layout:
     pending/<snapshot id>.json      the manifest of an upload in progress
     snapshots/<snapshot id>.json    the manifest of a complete snapshot
     names/<name>                    {"snapshotID", "createdAt"} of a name's newest
+    images/layers/<64 hex>.json     a converted image layer's index (aenv.images.objects)
+    images/pending/<64 hex>.json    the same while that layer's chunks upload
 
 `upload_snapshot` hashes everything first, writes the pending manifest (so
 a collector sees the blobs it is about to reference), uploads the missing
@@ -24,10 +26,11 @@ store only once complete. `fetch_manifest`, `materialise_layer` and
 digest and any missing, corrupt or malformed object raises
 `SnapshotUnavailable` naming the snapshot and the object. Callers stage
 into temporary directories and rename last. `collect_garbage` is a
-mark-and-sweep: blobs no manifest (complete or pending) references and
-older than a grace period are deleted; two collectors at once only delete
-the same unreferenced blobs twice, and young blobs of uploads in flight
-survive.
+mark-and-sweep: blobs no manifest (complete or pending) and no image
+layer index (complete or pending) references and older than a grace period
+are deleted; two collectors at once only delete the same unreferenced blobs
+twice, and young blobs of uploads in flight survive. Image layers are never
+collected: they are roots, like manifests of snapshots nobody deleted.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ from aenv.storage.objstore import (
 MANIFEST_PREFIX = "snapshots"
 PENDING_PREFIX = "pending"
 NAME_PREFIX = "names"
+# Image layer indexes, written by aenv.images.objects (same strings; storage never imports images).
+IMAGE_LAYER_PREFIX = "images/layers"
+IMAGE_PENDING_PREFIX = "images/pending"
 MANIFEST_VERSION = 1
 LAYER_MEDIA_TYPE = "application/vnd.aenv.frozen-layer.v1+json"
 # Fields of a snapshot record that travel with it (the rest are local paths and state).
@@ -750,6 +756,7 @@ class GcReport:
     deleted: int = 0
     bytes_deleted: int = 0
     kept_young: int = 0  # unreferenced but within the grace period
+    image_layers: int = 0  # image layer indexes marked (their chunks are kept)
 
 
 async def collect_garbage(
@@ -759,14 +766,14 @@ async def collect_garbage(
     pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
     now: dt.datetime | None = None,
 ) -> GcReport:
-    """Delete blobs no manifest references that are older than `grace_s`.
+    """Delete blobs no manifest or image layer references that are older than `grace_s`.
 
     Blobs are listed before manifests, so a blob uploaded and referenced
     after the listing is either not a candidate or marked. A pending
-    manifest older than `pending_ttl_s` (an upload abandoned by a node that
-    never came back) no longer protects its blobs. An unreadable manifest
-    stops the collection (StoreUnavailable or SnapshotUnavailable): never
-    guess what it referenced.
+    manifest or image layer index older than `pending_ttl_s` (an upload
+    abandoned by a node that never came back) no longer protects its blobs.
+    An unreadable manifest or layer index stops the collection
+    (StoreUnavailable or SnapshotUnavailable): never guess what it referenced.
     """
     report = GcReport()
     blobs = await store.list(BLOB_PREFIX)
@@ -792,6 +799,33 @@ async def collect_garbage(
                 ) from None
             report.manifests += 1
             marked.update(m.blobs)
+    # Pending first: an upload writes the layer's index before it deletes the pending one.
+    for prefix in (IMAGE_PENDING_PREFIX, IMAGE_LAYER_PREFIX):
+        for info in await store.list(prefix):
+            if (
+                prefix == IMAGE_PENDING_PREFIX
+                and (now - info.last_modified).total_seconds() > pending_ttl_s
+            ):
+                continue
+            try:
+                raw = await store.get(info.key)
+            except ObjectNotFound:
+                if prefix == IMAGE_LAYER_PREFIX:
+                    continue
+                # finished meanwhile: the complete index may not have been listed yet
+                name = info.key.rsplit("/", 1)[-1]
+                try:
+                    raw = await store.get(f"{IMAGE_LAYER_PREFIX}/{name}")
+                except ObjectNotFound:
+                    continue
+            try:
+                index = await trio.to_thread.run_sync(loads, raw)
+            except BadIndex as exc:
+                raise SnapshotUnavailable(
+                    f"garbage collection stopped: {info.key!r}: {exc}"
+                ) from None
+            report.image_layers += 1
+            marked.update(c.digest for e in index.entries for c in e.chunks)
     for info in blobs:
         digest = "sha256:" + info.key.rsplit("/", 1)[-1]
         if digest in marked:

@@ -14,7 +14,7 @@ import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
 from tests.conftest import NodeProc, requires_node
-from tests.e2e.counter import COUNTER, counts_on
+from tests.e2e.counter import COUNTER, count, counts_on
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -99,3 +99,40 @@ def test_kill_paused_sandbox(node: NodeProc) -> None:
     assert s.sandbox_id not in [x.sandbox_id for x in Sandbox.list().next_items()]
     with pytest.raises(Exception):  # noqa: B017 - NotFound, whatever the SDK calls it
         Sandbox.connect(s.sandbox_id)
+
+
+def test_pause_freezes_in_memory_then_hibernates(node: NodeProc) -> None:
+    """A full pause answers once the sandbox is frozen; resuming thaws it."""
+    s = Sandbox.create("base", timeout=120)
+    try:
+        s.commands.run(COUNTER, background=True)
+        time.sleep(1)
+        s.pause()
+        info = httpx.get(
+            f"{node.url}/sandboxes/{s.sandbox_id}", headers={"X-API-Key": node.api_key}
+        ).json()
+        assert info["state"] == "paused" and info["pausedInMemory"] is True
+        s2 = Sandbox.connect(s.sandbox_id)
+        counts_on(s2)
+        info = httpx.get(
+            f"{node.url}/sandboxes/{s.sandbox_id}", headers={"X-API-Key": node.api_key}
+        ).json()
+        assert info["state"] == "running" and info["pausedInMemory"] is False
+    finally:
+        s.kill()
+
+
+def test_auto_resume_on_traffic(node: NodeProc) -> None:
+    s = Sandbox.create("base", timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        s.commands.run(COUNTER, background=True)
+        time.sleep(1)
+        before = counts_on(s)
+        s.pause()
+        # no connect: a command through the proxy wakes it
+        assert count(s) >= before
+        counts_on(s)
+        listed = {x.sandbox_id: x.state for x in Sandbox.list().next_items()}
+        assert str(listed[s.sandbox_id]).endswith("running")
+    finally:
+        s.kill()

@@ -34,7 +34,8 @@ from tests.e2e.counter import COUNTER, count, counts_on
 pytestmark = [requires_node, pytest.mark.runsc]
 
 PREFIX = "aenvr"
-ENV = {"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": "10.232.0.0/16"}
+# paused sandboxes go to disk a second after their pause (the default is a minute)
+ENV = {"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": "10.232.0.0/16", "AENV_HIBERNATE_AFTER": "1"}
 TEMPLATE = "busybox"
 
 
@@ -91,6 +92,17 @@ def node_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Resta
         assert not left, left
 
 
+def _on_disk(r: Restartable, sid: str, within: float = 30.0) -> None:
+    """Wait until a paused sandbox has been written to disk (hibernated)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        d = r.get(f"/sandboxes/{sid}").json()
+        if d["state"] == "paused" and not d["pausedInMemory"]:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"sandbox {sid} was not written to disk within {within}s")
+
+
 def _paused_then_resumes(r: Restartable, sid: str, before: int) -> None:
     listed = {s["sandboxID"]: s["state"] for s in r.get("/v2/sandboxes?state=paused").json()}
     assert listed.get(sid) == "paused", listed
@@ -108,8 +120,9 @@ def test_a_paused_sandbox_survives_restarts_and_crashes(node_home: Restartable) 
     s.files.write("/tmp/kept.txt", "written before the pause")
     counts_on(s)
     before = count(s)
-    s.pause()
+    s.pause()  # frozen in memory: a clean stop writes it to disk
     sid = s.sandbox_id
+    assert r.get(f"/sandboxes/{sid}").json()["pausedInMemory"] is True
 
     r.stop()  # a clean restart
     r.start()
@@ -117,7 +130,8 @@ def test_a_paused_sandbox_survives_restarts_and_crashes(node_home: Restartable) 
 
     before = count(Sandbox.connect(sid))
     Sandbox.connect(sid).pause()
-    r.stop(signal.SIGKILL)  # a crash while it is paused
+    _on_disk(r, sid)
+    r.stop(signal.SIGKILL)  # a crash while it is paused (on disk)
     r.start()
     _paused_then_resumes(r, sid, before)
     Sandbox.connect(sid).kill()
