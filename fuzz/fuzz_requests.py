@@ -25,6 +25,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from aenv.proto.ids import NAME_RE, InvalidName, check_name
+from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import ALL_TRAFFIC, EgressPolicy, render_slot_rules
 from aenv.proto.requests import (
     MAX_ENV_ITEMS,
@@ -293,8 +294,11 @@ def _check_new_sandbox(r: NewSandbox, body: Mapping[str, Any], limits: Limits) -
     assert r.template == body["templateID"]
     try:
         check_name(r.template)
-    except InvalidName as e:  # pragma: no cover - a failure report
-        raise AssertionError(f"accepted invalid template name: {e}") from None
+    except InvalidName as e:
+        try:  # else it must be an OCI image reference (the node pulls it)
+            parse_reference(r.template)
+        except InvalidReference:  # pragma: no cover - a failure report
+            raise AssertionError(f"accepted invalid template name: {e}") from None
     _check_timeout(r.timeout_s, body.get("timeout"), limits)
     _check_str_map(r.metadata, body.get("metadata"), MAX_METADATA_ITEMS)
     _check_str_map(r.env_vars, body.get("envVars"), MAX_ENV_ITEMS)
@@ -305,6 +309,10 @@ def _check_new_sandbox(r: NewSandbox, body: Mapping[str, Any], limits: Limits) -
     assert r.allow_public_traffic is (True if public is None else public)
     assert r.auto_pause is (body.get("autoPause") is True)
     assert r.auto_pause_memory is (body.get("autoPauseMemory") is not False)
+    resume = body.get("autoResume")
+    assert r.auto_resume is (isinstance(resume, Mapping) and resume.get("enabled") is True)
+    if r.auto_resume:  # only a sandbox that pauses with its memory can wake on traffic
+        assert r.auto_pause and r.auto_pause_memory
 
 
 def _rejected(e: BadRequest) -> None:

@@ -33,7 +33,7 @@ from tests.e2e.counter import COUNTER, count, counts_on
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
-PREFIX = "aenvr"
+PREFIX = "aenvw"
 # paused sandboxes go to disk a second after their pause (the default is a minute)
 ENV = {"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": "10.232.0.0/16", "AENV_HIBERNATE_AFTER": "1"}
 TEMPLATE = "busybox"
