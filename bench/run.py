@@ -1,23 +1,36 @@
 """aenv benchmarks: p50/p95 of what an E2B SDK user waits for, next to the runsc floor.
 
-One run starts a node (`python -m aenv serve`) on a free loopback port with
-its own netns prefix and slot range, and times, through the real `e2b`
-Python SDK: `Sandbox.create()` until a first `commands.run("true")` returns,
-a `commands.run("true")` round trip through the node's proxy, and writing and
-reading 1 MiB (`files.write`, `files.read(format="bytes")`). In the same run
-it times the floor, the same operations done directly with `runsc` and no
-aenv at all, started the way aenv's gVisor driver starts sandboxes (the
-driver's OCI config, its runsc flags and platform, a private mount namespace
-with a tmpfs over /proc/sys/net, `--network=sandbox` in a netns of its own
-holding a veth): `runsc run` of a busybox root filesystem until its first
-command (`true`) exits, `runsc exec <id> true`, and `runsc exec` of
-`sh -c 'cat > f'` / `cat f` for 1 MiB. It prints a table and writes JSON to
-bench/results/<timestamp>.json. Every loop is bounded, all traffic stays on
-loopback or in the bench's own netns, and everything is cleaned up (node
-stopped with SIGTERM, runsc containers deleted, netns and veth removed) also
-when a step fails or the run is interrupted. Needs root and runsc.
+One run starts three nodes (`python -m aenv serve`) one after the other, each
+on a free loopback port with a private home (bundle and templates linked),
+the netns prefix `aenvk` and slot range 10.227.0.0/16, and times through the
+real `e2b` Python SDK: `Sandbox.create(template)` alone and until a first
+`commands.run("true")` returns, on a node that boots every sandbox
+(`AENV_WARM_TEMPLATES=0 AENV_POOL_SIZE=0`), on one that restores the
+template's snapshot (`AENV_POOL_SIZE=0`, after the snapshot exists) and on
+one with the default pool (samples spaced so the pool can refill; pool hits
+counted from the sandboxes' logs). On the pool node it then times a
+`commands.run("true")` round trip, writing and reading 1 MiB, pause, resume
+(from the disk image: aenv has no frozen pause tier yet) until connect
+returns and until a first command, fork(count=1), fork(count=4) and
+create_snapshot, and the bytes a capture writes (the new frozen layer and the
+memory image) after 1 MiB of a file changed. In the same run it times the
+floor, the same operations done directly with `runsc` and no aenv at all,
+started the way aenv's gVisor driver starts sandboxes (the driver's OCI
+config, its runsc flags and platform, a private mount namespace with a tmpfs
+over /proc/sys/net, `--network=sandbox` in a netns of its own holding a
+veth): `runsc run` of a busybox root filesystem until its first command
+(`true`) exits, `runsc exec <id> true`, `runsc exec` of `sh -c 'cat > f'` /
+`cat f` for 1 MiB, `runsc checkpoint` of a running busybox sandbox and
+`runsc restore` of its image into a fresh container ID (then `runsc exec
+true`), `runsc checkpoint --leave-running`, and that plus 1 or 4 concurrent
+restores, each into a netns of its own (a fork). It prints a table (with the
+issue's targets, met or not) and writes JSON to bench/results/<timestamp>.json.
+Every loop is bounded, all traffic stays on loopback or in the bench's own
+netns, and everything is cleaned up (nodes stopped with SIGTERM and their
+homes removed, runsc containers deleted, netns and veths removed) also when
+a step fails or the run is interrupted. Needs root and runsc.
 
-    .venv/bin/python bench/run.py [--n 20] [--home DIR] [--template base]
+    .venv/bin/python bench/run.py [--n 10] [--home DIR] [--template base]
 """
 
 from __future__ import annotations
@@ -37,10 +50,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -48,33 +63,58 @@ sys.path.insert(0, str(REPO))
 from aenv.config import Config  # noqa: E402
 from aenv.runtimes.base import SandboxSpec  # noqa: E402
 from aenv.runtimes.gvisor import oci_config  # noqa: E402
-from tests.conftest import NodeProc, leaks, start_node, stop_node  # noqa: E402
+from tests.conftest import NodeProc, leaks, link_home, start_node, stop_node  # noqa: E402
 
-NET_PREFIX = "aenvb"
-SLOT_CIDR = "10.234.0.0/16"
+# The nodes' netns prefix, slot range and tag (unique on this machine: other
+# benchmarks and test suites use other prefixes and 10.229-10.239).
+NET_PREFIX = "aenvk"
+SLOT_CIDR = "10.227.0.0/16"
 NODE_TAG = "bnch"
 # The floor's own netns and veth (outside the node's naming and slot range).
 FLOOR_NETNS = "aenvbfloor"
 FLOOR_VETH = "aenvbfh"
 FLOOR_HOST_IP = "10.235.0.1"
 FLOOR_GUEST_IP = "10.235.0.2"
+# One more netns per floor fork child (i = 1..FORK_MAX): aenvkf<i>, veth
+# aenvkfh<i>, 10.228.0.<4i+1>/30 on the host side.
+FORK_MAX = 4
 FLOOR_CGROUP = "aenvbench"
 PAYLOAD = 1 << 20
 GUEST_FILE = "/tmp/aenv-bench.bin"
 STEP_TIMEOUT_S = 120.0
+# Between pool samples: a refill takes ~0.5-1 s here.
+POOL_SPACING_S = 1.5
+# How long a node may take to make the template a snapshot.
+WARM_WAIT_S = 180.0
 RESULTS = REPO / "bench" / "results"
 
-OPS = (
-    ("create_to_first_command", "create -> first command"),
-    ("create_only", "  of which Sandbox.create"),
-    ("command_roundtrip", 'commands.run("true")'),
-    ("file_write_1mib", "files.write 1 MiB"),
-    ("file_read_1mib", "files.read 1 MiB"),
-    ("pause", "pause (full, memory)"),
-    ("resume", "resume -> first command"),
-    ("fork_1", "fork(count=1)"),
-    ("snapshot", "create_snapshot"),
+# (label, aenv key, floor key, target): target is a p50 bound in ms, or the
+# string "1.3x" (within 1.3x the floor's p50), or None.
+Row = tuple[str, str | None, str | None, float | str | None]
+ROWS: tuple[Row, ...] = (
+    ("create (boot) -> first command", "create_boot", "create_to_first_command", "1.3x"),
+    ("  of which Sandbox.create", "create_boot_only", None, None),
+    ("create (restore template snapshot) -> first cmd", "create_restore",
+     "restore_to_first_command", "1.3x"),
+    ("  of which Sandbox.create", "create_restore_only", "restore", "1.3x"),
+    ("create (pool) -> first command", "create_pool", None, None),
+    ("  of which Sandbox.create", "create_pool_only", None, 50.0),
+    ('commands.run("true")', "command_roundtrip", "command_roundtrip", None),
+    ("files.write 1 MiB", "file_write_1mib", "file_write_1mib", None),
+    ("files.read 1 MiB", "file_read_1mib", "file_read_1mib", None),
+    ("pause (full, memory)", "pause", "checkpoint", 100.0),
+    ("resume (from disk image): connect", "resume_only", "restore", 50.0),
+    ("resume (from disk image) -> first cmd", "resume", "restore_to_first_command", "1.3x"),
+    ("fork(count=1)", "fork_1", "fork_1", "1.3x"),
+    ("fork(count=4)", "fork_4", "fork_4", "1.3x"),
+    ("create_snapshot", "snapshot", "checkpoint_leave_running", "1.3x"),
+)  # fmt: skip
+AENV_KEYS = (
+    *dict.fromkeys(r[1] for r in ROWS if r[1]),
+    "capture_layer_bytes",
+    "capture_image_bytes",
 )
+FLOOR_KEYS = (*dict.fromkeys(r[2] for r in ROWS if r[2]), "image_bytes")
 
 
 class Interrupted(BaseException):
@@ -83,14 +123,19 @@ class Interrupted(BaseException):
 
 @dataclass
 class Series:
-    samples_ms: list[float] = field(default_factory=list)
+    samples: list[float] = field(default_factory=list)
     error: str | None = None
+    note: str | None = None
+    unit: str = "ms"
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"n": len(self.samples_ms), "samples_ms": self.samples_ms}
-        if self.samples_ms:
-            out["p50_ms"] = percentile(self.samples_ms, 50)
-            out["p95_ms"] = percentile(self.samples_ms, 95)
+        u = self.unit
+        out: dict[str, Any] = {"n": len(self.samples), f"samples_{u}": self.samples}
+        if self.samples:
+            out[f"p50_{u}"] = percentile(self.samples, 50)
+            out[f"p95_{u}"] = percentile(self.samples, 95)
+        if self.note:
+            out["note"] = self.note
         if self.error:
             out["error"] = self.error
         return out
@@ -113,7 +158,7 @@ def timed(
         except Exception as e:
             series.error = _describe(e)
             return
-        series.samples_ms.append((time.perf_counter() - t0) * 1000)
+        series.samples.append((time.perf_counter() - t0) * 1000)
         check(result)
 
 
@@ -134,32 +179,88 @@ def run(argv: list[str], *, check: bool = True, **kw: Any) -> subprocess.Complet
     return proc
 
 
+def disk_bytes(path: Path) -> int:
+    """Bytes allocated on disk under `path` (each inode once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in (".", *dirnames, *filenames):
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+    return total
+
+
 # -- aenv through the e2b SDK -------------------------------------------------------
 
 
+@dataclass
+class NodeRun:
+    """One node of the run: its name in the report, the env it gets, what it measures."""
+
+    name: str
+    env: dict[str, str]
+    measure: Callable[[NodeProc, str, int, dict[str, Series]], None]
+
+
 def bench_aenv(home: Path, template: str, n: int, workdir: Path) -> dict[str, Series]:
-    results = {key: Series() for key, _ in OPS}
-    node = start_node(
-        home,
-        api_key="aenv_bench_" + secrets.token_hex(8),
-        log_path=workdir / "node.log",
-        extra_env={
-            "AENV_NET_PREFIX": NET_PREFIX,
-            "AENV_SLOT_CIDR": SLOT_CIDR,
-            "AENV_NODE_TAG": NODE_TAG,
-        },
+    results = {key: Series() for key in AENV_KEYS}
+    for key in ("capture_layer_bytes", "capture_image_bytes"):
+        results[key].unit = "bytes"
+    runs = (
+        NodeRun("boot", {"AENV_WARM_TEMPLATES": "0", "AENV_POOL_SIZE": "0"}, _bench_boot),
+        NodeRun("restore", {"AENV_POOL_SIZE": "0"}, _bench_restore),
+        NodeRun("pool", {}, _bench_pool),
     )
+    for node_run in runs:
+        print(f"  node {node_run.name} ...", flush=True)
+        _with_node(home, workdir / node_run.name, node_run, template, n, results)
+    return results
+
+
+def _with_node(
+    built: Path,
+    workdir: Path,
+    node_run: NodeRun,
+    template: str,
+    n: int,
+    results: dict[str, Series],
+) -> None:
+    private = workdir / "home"
+    private.mkdir(parents=True)
+    link_home(built, private)
+    log_path = workdir / "node.log"
+    errors_before = sum(1 for s in results.values() if s.error)
+    try:
+        node = start_node(
+            private,
+            api_key="aenv_bench_" + secrets.token_hex(8),
+            log_path=log_path,
+            extra_env={
+                "AENV_NET_PREFIX": NET_PREFIX,
+                "AENV_SLOT_CIDR": SLOT_CIDR,
+                "AENV_NODE_TAG": NODE_TAG,
+                **node_run.env,
+            },
+        )
+    except Exception as e:
+        _fail(results, AENV_KEYS, e)
+        return
     try:
         with _sdk_env(node):
-            _bench_sdk(node, template, n, results)
+            node_run.measure(node, template, n, results)
     finally:
         code = stop_node(node)
-        left = leaks(home, prefix=NET_PREFIX)
-        if code != 0 or left or any(s.error for s in results.values()):
-            print(f"--- node log (exit {code}) ---\n{node.log_tail(40)}", file=sys.stderr)
+        left = leaks(private, prefix=NET_PREFIX)
+        failed = sum(1 for s in results.values() if s.error) > errors_before
+        if code != 0 or left or failed:
+            print(f"--- node {node_run.name} log (exit {code}) ---\n{node.log_tail(40)}",
+                  file=sys.stderr)  # fmt: skip
         if left:
-            print(f"node left behind: {left}", file=sys.stderr)
-    return results
+            print(f"node {node_run.name} left behind: {left}", file=sys.stderr)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -181,11 +282,21 @@ def _sdk_env(node: NodeProc) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _bench_sdk(node: NodeProc, template: str, n: int, results: dict[str, Series]) -> None:
+def _create_samples(
+    template: str,
+    n: int,
+    total: Series,
+    alone: Series,
+    *,
+    spacing_s: float = 0.0,
+    after: Callable[[Any], None] | None = None,
+) -> None:
+    """n times: `Sandbox.create` (timed alone) + `commands.run("true")`, then kill."""
     from e2b import Sandbox
 
-    series = results["create_to_first_command"]
-    for _ in range(n):
+    for i in range(n):
+        if i and spacing_s:
+            time.sleep(spacing_s)
         sbx = None
         t0 = time.perf_counter()
         try:
@@ -193,25 +304,86 @@ def _bench_sdk(node: NodeProc, template: str, n: int, results: dict[str, Series]
             created = time.perf_counter() - t0
             sbx.commands.run("true")
             elapsed = time.perf_counter() - t0
+            if after is not None:
+                after(sbx)
         except Exception as e:
-            series.error = _describe(e)
+            total.error = _describe(e)
             break
         finally:
             if sbx is not None:
                 with contextlib.suppress(Exception):
                     sbx.kill()
-        series.samples_ms.append(elapsed * 1000)
-        results["create_only"].samples_ms.append(created * 1000)
+        total.samples.append(elapsed * 1000)
+        alone.samples.append(created * 1000)
+
+
+def _warm_up(node: NodeProc, template: str) -> None:
+    """One untimed create; then wait until the node has made the template a snapshot."""
+    from e2b import Sandbox
+
+    Sandbox.create(template, timeout=120).kill()
+    deadline = time.monotonic() + WARM_WAIT_S
+    while "is now a snapshot" not in node.log_path.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"template {template} not a snapshot after {WARM_WAIT_S:g}s")
+        time.sleep(0.2)
+    Sandbox.create(template, timeout=120).kill()  # a restore (pool node: marks it hot)
+
+
+def _bench_boot(node: NodeProc, template: str, n: int, results: dict[str, Series]) -> None:
+    from e2b import Sandbox
+
+    try:
+        Sandbox.create(template, timeout=120).kill()  # untimed: page cache, first connection
+    except Exception as e:
+        _fail(results, ("create_boot", "create_boot_only"), e)
+        return
+    _create_samples(template, n, results["create_boot"], results["create_boot_only"])
+
+
+def _bench_restore(node: NodeProc, template: str, n: int, results: dict[str, Series]) -> None:
+    try:
+        _warm_up(node, template)
+    except Exception as e:
+        _fail(results, ("create_restore", "create_restore_only"), e)
+        return
+    _create_samples(template, n, results["create_restore"], results["create_restore_only"])
+
+
+def _bench_pool(node: NodeProc, template: str, n: int, results: dict[str, Series]) -> None:
+    from e2b import Sandbox
 
     rest = (
-        "command_roundtrip",
-        "file_write_1mib",
-        "file_read_1mib",
-        "pause",
-        "resume",
-        "fork_1",
-        "snapshot",
+        "command_roundtrip", "file_write_1mib", "file_read_1mib", "pause", "resume_only",
+        "resume", "fork_1", "fork_4", "snapshot", "capture_layer_bytes", "capture_image_bytes",
+    )  # fmt: skip
+    try:
+        _warm_up(node, template)
+        time.sleep(3 * POOL_SPACING_S)  # let the pool fill
+    except Exception as e:
+        _fail(results, ("create_pool", "create_pool_only", *rest), e)
+        return
+    hits: list[bool] = []
+
+    def from_pool(sbx: Any) -> None:
+        lines = httpx.get(
+            f"{node.url}/sandboxes/{sbx.sandbox_id}/logs",
+            headers={"X-API-Key": node.api_key},
+            timeout=10,
+        ).json()["logs"]
+        hits.append(any("adopted from the pool" in e["line"] for e in lines))
+
+    _create_samples(
+        template,
+        n,
+        results["create_pool"],
+        results["create_pool_only"],
+        spacing_s=POOL_SPACING_S,
+        after=from_pool,
     )
+    note = f"{sum(hits)}/{len(hits)} from the pool, samples {POOL_SPACING_S:g} s apart"
+    results["create_pool"].note = results["create_pool_only"].note = note
+
     try:
         sbx = Sandbox.create(template, timeout=600)
     except Exception as e:
@@ -238,6 +410,10 @@ def _bench_sdk(node: NodeProc, template: str, n: int, results: dict[str, Series]
     finally:
         with contextlib.suppress(Exception):
             sbx.kill()
+    try:
+        _bench_capture_bytes(node, template, n, results)
+    except Exception as e:
+        _fail(results, ("capture_layer_bytes", "capture_image_bytes"), e)
 
 
 def _bench_snapshots(sbx: Any, n: int, results: dict[str, Series]) -> None:
@@ -250,24 +426,55 @@ def _bench_snapshots(sbx: Any, n: int, results: dict[str, Series]) -> None:
     for _ in range(n):
         t0 = time.perf_counter()
         sbx.pause()
-        results["pause"].samples_ms.append((time.perf_counter() - t0) * 1000)
+        results["pause"].samples.append((time.perf_counter() - t0) * 1000)
         t0 = time.perf_counter()
         back = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        connected = time.perf_counter() - t0
         back.commands.run("true")
-        results["resume"].samples_ms.append((time.perf_counter() - t0) * 1000)
-    for _ in range(n):
-        t0 = time.perf_counter()
-        children = sbx.fork(count=1, timeout=120)
-        results["fork_1"].samples_ms.append((time.perf_counter() - t0) * 1000)
-        for c in children:
-            if isinstance(c, Exception):
-                raise c
-            c.kill()
+        results["resume"].samples.append((time.perf_counter() - t0) * 1000)
+        results["resume_only"].samples.append(connected * 1000)
+    for count in (1, 4):
+        series = results[f"fork_{count}"]
+        for _ in range(n):
+            t0 = time.perf_counter()
+            children = sbx.fork(count=count, timeout=120)
+            series.samples.append((time.perf_counter() - t0) * 1000)
+            for c in children:
+                if isinstance(c, Exception):
+                    raise c
+                c.kill()
     for _ in range(n):
         t0 = time.perf_counter()
         info = sbx.create_snapshot()
-        results["snapshot"].samples_ms.append((time.perf_counter() - t0) * 1000)
+        results["snapshot"].samples.append((time.perf_counter() - t0) * 1000)
         Sandbox.delete_snapshot(info.snapshot_id)
+
+
+def _bench_capture_bytes(node: NodeProc, template: str, n: int, results: dict[str, Series]) -> None:
+    """Bytes a pause writes after 1 MiB of a file changed: the new layer, the memory image."""
+    from e2b import Sandbox
+
+    layers_dir = node.home / "layers" / "layers"
+    sbx = Sandbox.create(template, timeout=600)
+    workdir = node.home / "sandboxes" / sbx.sandbox_id
+    try:
+        for i in range(n):
+            # a new file under $HOME: on the root overlay (not a tmpfs)
+            sbx.commands.run(f"head -c {PAYLOAD} /dev/urandom > ~/aenv-bench-capture-{i}.bin")
+            before = set(os.listdir(layers_dir)) if layers_dir.is_dir() else set()
+            sbx.pause()
+            new = set(os.listdir(layers_dir)) - before
+            if len(new) != 1:
+                raise RuntimeError(f"pause made {len(new)} new layers, expected 1: {sorted(new)}")
+            images = [p for p in workdir.glob("image*") if p.suffix != ".tmp"]
+            if len(images) != 1:
+                raise RuntimeError(f"{workdir} holds {len(images)} memory images, expected 1")
+            results["capture_layer_bytes"].samples.append(disk_bytes(layers_dir / new.pop()))
+            results["capture_image_bytes"].samples.append(disk_bytes(images[0]))
+            sbx = Sandbox.connect(sbx.sandbox_id, timeout=600)
+    finally:
+        with contextlib.suppress(Exception):
+            sbx.kill()
 
 
 def _describe(e: BaseException) -> str:
@@ -277,11 +484,32 @@ def _describe(e: BaseException) -> str:
 def _fail(results: dict[str, Series], keys: tuple[str, ...], e: Exception) -> None:
     """Record `e` on every series in `keys` that has neither samples nor an error yet."""
     for key in keys:
-        if results[key].error is None and not results[key].samples_ms:
+        if results[key].error is None and not results[key].samples:
             results[key].error = _describe(e)
 
 
 # -- the floor: runsc without aenv ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FloorNet:
+    """A netns holding one end of a veth, as an aenv network slot has."""
+
+    netns: str
+    veth: str
+    host_ip: str
+    guest_ip: str
+
+    @property
+    def path(self) -> Path:
+        return Path("/run/netns") / self.netns
+
+
+MAIN_NET = FloorNet(FLOOR_NETNS, FLOOR_VETH, FLOOR_HOST_IP, FLOOR_GUEST_IP)
+FORK_NETS = tuple(
+    FloorNet(f"aenvkf{i}", f"aenvkfh{i}", f"10.228.0.{4 * i + 1}", f"10.228.0.{4 * i + 2}")
+    for i in range(1, FORK_MAX + 1)
+)
 
 
 @dataclass
@@ -292,6 +520,7 @@ class Floor:
     workdir: Path
     runsc: str
     platform: str
+    net_disconnect_ok: bool = False
     containers: set[str] = field(default_factory=set)
 
     @property
@@ -305,6 +534,7 @@ class Floor:
             "--platform", self.platform,
             "--network", "sandbox",
             "--overlay2", "none",
+            *(["--net-disconnect-ok"] if self.net_disconnect_ok else []),
             *args,
         ]  # fmt: skip
 
@@ -313,14 +543,16 @@ class Floor:
         script = "mount -t tmpfs -o size=4k aenv-netfs /proc/sys/net && exec " + shlex.join(cmd)
         return ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script]
 
-    def bundle(self, cid: str, argv: tuple[str, ...], rootfs: Path) -> Path:
+    def bundle(
+        self, cid: str, argv: tuple[str, ...], rootfs: Path, net: FloorNet = MAIN_NET
+    ) -> Path:
         bundle_dir = self.workdir / "bundles" / cid
         bundle_dir.mkdir(parents=True)
         spec = SandboxSpec(
             sandbox_id=cid,
             rootfs=rootfs,
             bundle=self.home / "bundle",
-            netns_path=Path("/run/netns") / FLOOR_NETNS,
+            netns_path=net.path,
             cpu_count=2,
             memory_mb=512,
             hostname="sandbox",
@@ -332,10 +564,11 @@ class Floor:
         (bundle_dir / "config.json").write_text(json.dumps(config, indent=1))
         return bundle_dir
 
-    def reset_guest_address(self) -> None:
+    @staticmethod
+    def reset_guest_address(net: FloorNet = MAIN_NET) -> None:
         """Give eth0 its address back (netstack takes it over from the previous sandbox)."""
-        run(["ip", "-n", FLOOR_NETNS, "addr", "replace", f"{FLOOR_GUEST_IP}/30", "dev", "eth0"])
-        run(["ip", "-n", FLOOR_NETNS, "route", "replace", "default", "via", FLOOR_HOST_IP])
+        run(["ip", "-n", net.netns, "addr", "replace", f"{net.guest_ip}/30", "dev", "eth0"])
+        run(["ip", "-n", net.netns, "route", "replace", "default", "via", net.host_ip])
 
     def run_once(self, cid: str, rootfs: Path) -> None:
         """`runsc run` of `true` in the foreground, until it has exited."""
@@ -360,6 +593,47 @@ class Floor:
         if proc.returncode != 0:
             tail = (bundle_dir / "console.log").read_text(errors="replace")[-1500:]
             raise RuntimeError(f"runsc run --detach {cid} exited {proc.returncode}: {tail}")
+
+    def checkpoint(self, cid: str, image_dir: Path, *, leave_running: bool = False) -> None:
+        """`runsc checkpoint` into `image_dir`, in a private mount namespace as aenv runs it."""
+        args = ["checkpoint", "--image-path", str(image_dir)]
+        if leave_running:
+            args.append("--leave-running")
+        run(self.in_private_netfs(self.command(*args, cid)))
+
+    def prepare_restore(
+        self, cid: str, rootfs: Path, image_dir: Path, net: FloorNet
+    ) -> tuple[list[str], Path]:
+        """The bundle (same rootfs) and command of a `runsc restore --detach` into `net`."""
+        bundle_dir = self.bundle(cid, ("/bin/sleep", "3600"), rootfs, net)
+        self.reset_guest_address(net)
+        cmd = self.command(
+            "restore", "--image-path", str(image_dir), "--detach", "--bundle", str(bundle_dir),
+            "--pid-file", str(bundle_dir / "sandbox.pid"), cid,
+        )  # fmt: skip
+        return self.in_private_netfs(cmd), bundle_dir
+
+    def restore_all(self, prepared: list[tuple[str, list[str], Path]]) -> None:
+        """Run the prepared restores concurrently; return once all have (raise if one failed)."""
+        procs = []
+        for cid, cmd, bundle_dir in prepared:
+            self.containers.add(cid)
+            with (bundle_dir / "console.log").open("ab") as log:
+                procs.append((cid, bundle_dir, subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                )))  # fmt: skip
+        failed = []
+        for cid, bundle_dir, proc in procs:
+            try:
+                code = proc.wait(timeout=STEP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            if code != 0:
+                tail = (bundle_dir / "console.log").read_text(errors="replace")[-1500:]
+                failed.append(f"runsc restore {cid} exited {code}: {tail}")
+        if failed:
+            raise RuntimeError("; ".join(failed))
 
     def exec(self, cid: str, *argv: str, data: bytes | None = None) -> bytes:
         kw: dict[str, Any] = {"input": data} if data is not None else {}
@@ -386,27 +660,30 @@ class Floor:
 
 
 @contextlib.contextmanager
-def floor_network() -> Iterator[None]:
-    """A netns holding one end of a veth, as an aenv network slot has; removed afterwards."""
-    remove_floor_network()
+def floor_network(nets: tuple[FloorNet, ...]) -> Iterator[None]:
+    """Each net's netns and veth, created fresh; removed afterwards."""
+    remove_floor_network(nets)
     try:
-        run(["ip", "netns", "add", FLOOR_NETNS])
-        run(["ip", "link", "add", FLOOR_VETH, "type", "veth", "peer", "name", "eth0",
-             "netns", FLOOR_NETNS])  # fmt: skip
-        run(["ip", "addr", "add", f"{FLOOR_HOST_IP}/30", "dev", FLOOR_VETH])
-        run(["ip", "link", "set", FLOOR_VETH, "up"])
-        run(["ip", "-n", FLOOR_NETNS, "link", "set", "lo", "up"])
-        run(["ip", "-n", FLOOR_NETNS, "link", "set", "eth0", "up"])
-        run(["ip", "-n", FLOOR_NETNS, "addr", "add", f"{FLOOR_GUEST_IP}/30", "dev", "eth0"])
-        run(["ip", "-n", FLOOR_NETNS, "route", "add", "default", "via", FLOOR_HOST_IP])
+        for net in nets:
+            ns = net.netns
+            run(["ip", "netns", "add", ns])
+            run(["ip", "link", "add", net.veth, "type", "veth", "peer", "name", "eth0",
+                 "netns", ns])  # fmt: skip
+            run(["ip", "addr", "add", f"{net.host_ip}/30", "dev", net.veth])
+            run(["ip", "link", "set", net.veth, "up"])
+            run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            run(["ip", "-n", ns, "addr", "add", f"{net.guest_ip}/30", "dev", "eth0"])
+            run(["ip", "-n", ns, "route", "add", "default", "via", net.host_ip])
         yield
     finally:
-        remove_floor_network()
+        remove_floor_network(nets)
 
 
-def remove_floor_network() -> None:
-    run(["ip", "link", "del", FLOOR_VETH], check=False, timeout=15)
-    run(["ip", "netns", "del", FLOOR_NETNS], check=False, timeout=15)
+def remove_floor_network(nets: tuple[FloorNet, ...]) -> None:
+    for net in nets:
+        run(["ip", "link", "del", net.veth], check=False, timeout=15)
+        run(["ip", "netns", "del", net.netns], check=False, timeout=15)
 
 
 def floor_rootfs(home: Path, dest: Path) -> Path:
@@ -429,13 +706,20 @@ def floor_rootfs(home: Path, dest: Path) -> Path:
 
 
 def bench_floor(home: Path, n: int, workdir: Path, config: Config) -> dict[str, Series]:
-    results = {key: Series() for key, _ in OPS}
+    results = {key: Series() for key in FLOOR_KEYS}
+    results["image_bytes"].unit = "bytes"
+    flags = run([config.runsc_binary, "flags"], check=False, timeout=30)
+    knows = b"-net-disconnect-ok" in flags.stdout + flags.stderr
     floor = Floor(
-        home=home, workdir=workdir, runsc=config.runsc_binary, platform=config.runsc_platform
+        home=home,
+        workdir=workdir,
+        runsc=config.runsc_binary,
+        platform=config.runsc_platform,
+        net_disconnect_ok=knows,
     )
     tag = secrets.token_hex(3)
     try:
-        with floor_network():
+        with floor_network((MAIN_NET, *FORK_NETS)):
             # Each foreground run gets its own copy, as each aenv sandbox gets its own upper.
             series = results["create_to_first_command"]
             for i in range(n):
@@ -448,13 +732,17 @@ def bench_floor(home: Path, n: int, workdir: Path, config: Config) -> dict[str, 
                 except Exception as e:
                     series.error = _describe(e)
                     break
-                series.samples_ms.append((time.perf_counter() - t0) * 1000)
+                series.samples.append((time.perf_counter() - t0) * 1000)
                 floor.delete(cid)
 
             try:
                 _floor_exec_ops(floor, home, workdir, tag, n, results)
             except Exception as e:
                 _fail(results, ("command_roundtrip", "file_write_1mib", "file_read_1mib"), e)
+            try:
+                _floor_checkpoints(floor, home, workdir, tag, n, results)
+            except Exception as e:
+                _fail(results, FLOOR_KEYS, e)
     finally:
         floor.cleanup()
     return results
@@ -480,44 +768,152 @@ def _floor_exec_ops(
     floor.exec(cid, *write, data=data)
     timed(results["file_write_1mib"], n, lambda: floor.exec(cid, *write, data=data), _ignore)
     timed(results["file_read_1mib"], n, lambda: floor.exec(cid, "/bin/cat", GUEST_FILE), same)
+    floor.delete(cid)
+
+
+def _floor_checkpoints(
+    floor: Floor, home: Path, workdir: Path, tag: str, n: int, results: dict[str, Series]
+) -> None:
+    """checkpoint/restore of one busybox sandbox, over and over (as aenv's pause/resume);
+    then checkpoint --leave-running (a snapshot) and that + k concurrent restores (a fork)."""
+    rootfs = floor_rootfs(home, workdir / "rootfs" / f"aenvbench-ckpt-{tag}")
+    images = workdir / "images"
+    cid = f"aenvbench-ckpt-{tag}-0"
+    floor.reset_guest_address()
+    floor.start_detached(cid, rootfs)
+    floor.exec(cid, "/bin/sh", "-c", "echo 1 > /tmp/state")
+    for i in range(n):
+        image = images / f"pause-{i}"
+        image.mkdir(parents=True)
+        t0 = time.perf_counter()
+        floor.checkpoint(cid, image)
+        results["checkpoint"].samples.append((time.perf_counter() - t0) * 1000)
+        results["image_bytes"].samples.append(disk_bytes(image))
+        floor.delete(cid)
+        # a fresh container ID from the image, the same root filesystem, a netns
+        # no sandbox holds (aenv restores into a new slot)
+        cid = f"aenvbench-ckpt-{tag}-{i + 1}"
+        cmd, bundle_dir = floor.prepare_restore(cid, rootfs, image, MAIN_NET)
+        t0 = time.perf_counter()
+        floor.restore_all([(cid, cmd, bundle_dir)])
+        restored = time.perf_counter() - t0
+        floor.exec(cid, "/bin/true")
+        results["restore"].samples.append(restored * 1000)
+        results["restore_to_first_command"].samples.append((time.perf_counter() - t0) * 1000)
+        if floor.exec(cid, "/bin/cat", "/tmp/state").strip() != b"1":
+            raise AssertionError("the restored sandbox lost its file")
+        shutil.rmtree(image)
+
+    for i in range(n):
+        image = images / f"snapshot-{i}"
+        image.mkdir(parents=True)
+        t0 = time.perf_counter()
+        floor.checkpoint(cid, image, leave_running=True)
+        results["checkpoint_leave_running"].samples.append((time.perf_counter() - t0) * 1000)
+        floor.exec(cid, "/bin/true")
+        shutil.rmtree(image)
+
+    for count in (1, 4):
+        for i in range(n):
+            image = images / f"fork{count}-{i}"
+            image.mkdir(parents=True)
+            children = []
+            for j, net in enumerate(FORK_NETS[:count]):
+                child = f"aenvbench-fork-{tag}-{count}-{i}-{j}"
+                children.append((child, *floor.prepare_restore(child, rootfs, image, net)))
+            t0 = time.perf_counter()
+            floor.checkpoint(cid, image, leave_running=True)
+            floor.restore_all(children)
+            results[f"fork_{count}"].samples.append((time.perf_counter() - t0) * 1000)
+            for child, _, _ in children:
+                floor.exec(child, "/bin/true")
+                floor.delete(child)
+            shutil.rmtree(image)
+    floor.delete(cid)
 
 
 # -- report -------------------------------------------------------------------------
 
 
-def _fmt(series: Series | None, q: int) -> str:
+def _p50(series: Series | None) -> float | None:
+    return percentile(series.samples, 50) if series and series.samples else None
+
+
+def _fmt(series: Series | None, q: int, scale: float = 1.0) -> str:
     if series is None:
         return "-"
-    if not series.samples_ms:
+    if not series.samples:
         return "error" if series.error else "-"
-    return f"{percentile(series.samples_ms, q):.1f}"
+    return f"{percentile(series.samples, q) / scale:.{1 if scale == 1.0 else 2}f}"
+
+
+def verdict(target: float | str | None, a: Series | None, f: Series | None) -> tuple[str, str]:
+    """(target text, "yes"/"no"/"-") for a row."""
+    mine, floor = _p50(a), _p50(f)
+    if target is None:
+        return "", ""
+    if isinstance(target, str):
+        if mine is None or floor is None:
+            return f"<= {target} floor", "-"
+        return f"<= {target} floor", "yes" if mine <= 1.3 * floor else "no"
+    return f"<= {target:g} ms", "-" if mine is None else ("yes" if mine <= target else "no")
+
+
+def _grid(rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, r in enumerate(rows):
+        cells = [
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
 
 
 def table(aenv: dict[str, Series] | None, floor: dict[str, Series] | None) -> str:
-    head = ("operation", "n", "aenv p50", "aenv p95", "floor p50", "floor p95")
+    head = ("operation", "n", "aenv p50", "aenv p95", "floor p50", "floor p95", "x floor",
+            "target (p50)", "met")  # fmt: skip
     rows = [head]
-    for key, label in OPS:
-        a = aenv.get(key) if aenv else None
-        f = floor.get(key) if floor else None
-        count = max(len(a.samples_ms) if a else 0, len(f.samples_ms) if f else 0)
-        rows.append((label, str(count), _fmt(a, 50), _fmt(a, 95), _fmt(f, 50), _fmt(f, 95)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = []
-    for j, r in enumerate(rows):
-        cells = [r[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    lines.append("(milliseconds; floor = runsc alone, busybox rootfs)")
+    for label, akey, fkey, target in ROWS:
+        a = aenv.get(akey) if aenv and akey else None
+        f = floor.get(fkey) if floor and fkey else None
+        count = max(len(a.samples) if a else 0, len(f.samples) if f else 0)
+        mine, base = _p50(a), _p50(f)
+        ratio = f"{mine / base:.2f}" if mine is not None and base else "-"
+        rows.append((label, str(count), _fmt(a, 50), _fmt(a, 95), _fmt(f, 50), _fmt(f, 95),
+                     ratio, *verdict(target, a, f)))  # fmt: skip
+    lines = _grid(rows)
+    lines.append(
+        "(milliseconds; floor = runsc alone, busybox rootfs; fork floor = checkpoint "
+        "--leave-running + concurrent restores; aenv has no frozen pause tier yet, so every "
+        "resume is from the disk image)"
+    )
+    mib = float(1 << 20)
+    brows = [("bytes per capture (MiB)", "n", "p50", "p95")]
+    for label, side, key in (
+        ("aenv pause after 1 MiB changed: new layer", aenv, "capture_layer_bytes"),
+        ("aenv pause after 1 MiB changed: memory image", aenv, "capture_image_bytes"),
+        ("floor runsc checkpoint (busybox): image", floor, "image_bytes"),
+    ):
+        s = side.get(key) if side else None
+        brows.append((label, str(len(s.samples) if s else 0), _fmt(s, 50, mib), _fmt(s, 95, mib)))
+    lines += ["", *_grid(brows)]
+    notes = [
+        f"{side} {key}: {s.note}"
+        for side, res in (("aenv", aenv), ("floor", floor))
+        for key, s in (res or {}).items()
+        if s.note and not key.endswith("_only")
+    ]
     errors = [
         f"{side} {key}: {s.error}"
         for side, res in (("aenv", aenv), ("floor", floor))
         for key, s in (res or {}).items()
         if s.error
     ]
-    return "\n".join(lines + errors)
+    return "\n".join(lines + notes + errors)
 
 
 def runsc_version(binary: str) -> str:
@@ -526,10 +922,14 @@ def runsc_version(binary: str) -> str:
     return "unknown"
 
 
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, default=20, help="samples per operation (default 20)")
-    p.add_argument("--home", type=Path, help="node home with bundle and templates "
+    p.add_argument("--n", type=int, default=10, help="samples per operation (default 10)")
+    p.add_argument("--home", type=Path, help="built home with bundle and templates "
                    "(default $AENV_TEST_HOME, else .state/test-home)")  # fmt: skip
     p.add_argument("--template", default="base", help="template for the aenv side (default base)")
     p.add_argument("--skip-aenv", action="store_true", help="measure only the runsc floor")
@@ -553,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     started = datetime.datetime.now(datetime.UTC)
+    load_start = loadavg()
     aenv_res: dict[str, Series] | None = None
     floor_res: dict[str, Series] | None = None
     workdir = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
@@ -561,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"floor: runsc ({config.runsc_platform}), n={args.n} ...", flush=True)
             floor_res = bench_floor(home, args.n, workdir / "floor", config)
         if not args.skip_aenv:
-            print(f"aenv: node + e2b SDK, template {args.template}, n={args.n} ...", flush=True)
+            print(f"aenv: nodes + e2b SDK, template {args.template}, n={args.n} ...", flush=True)
             (workdir / "aenv").mkdir()
             aenv_res = bench_aenv(home, args.template, args.n, workdir / "aenv")
     except (KeyboardInterrupt, Interrupted):
@@ -570,10 +971,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
+    load_end = loadavg()
+    elapsed = datetime.datetime.now(datetime.UTC) - started
     print()
     print(table(aenv_res, floor_res))
+    print(f"\nload average {load_start} at start, {load_end} at end; "
+          f"{os.cpu_count()} CPUs; {elapsed.total_seconds():.0f} s")  # fmt: skip
     report = {
         "started": started.isoformat(),
+        "seconds": round(elapsed.total_seconds(), 1),
         "n": args.n,
         "template": args.template,
         "host": {
@@ -581,9 +987,20 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "runsc": runsc_version(config.runsc_binary),
             "runsc_platform": config.runsc_platform,
+            "loadavg_start": load_start,
+            "loadavg_end": load_end,
         },
-        "aenv": {k: s.to_json() for k, s in (aenv_res or {}).items() if s.samples_ms or s.error},
-        "floor": {k: s.to_json() for k, s in (floor_res or {}).items() if s.samples_ms or s.error},
+        "targets": {
+            (akey or fkey or label): verdict(
+                target,
+                aenv_res.get(akey) if aenv_res and akey else None,
+                floor_res.get(fkey) if floor_res and fkey else None,
+            )
+            for label, akey, fkey, target in ROWS
+            if target is not None
+        },
+        "aenv": {k: s.to_json() for k, s in (aenv_res or {}).items() if s.samples or s.error},
+        "floor": {k: s.to_json() for k, s in (floor_res or {}).items() if s.samples or s.error},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"

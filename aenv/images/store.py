@@ -678,11 +678,12 @@ class ImageStore:
         async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
             async for piece in stream:
                 self.bytes_downloaded += len(piece)
-                await trio.to_thread.run_sync(cutter.feed, piece, limiter=self._limiter)
+                # Not under the conversion limiter: the thread waits on the store in `sink`.
+                await trio.to_thread.run_sync(cutter.feed, piece)
                 if cutter.done:
                     break
         if not cutter.done:
-            await trio.to_thread.run_sync(cutter.finish, limiter=self._limiter)
+            await trio.to_thread.run_sync(cutter.finish)
 
 
 @dataclass(frozen=True)
