@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 Labels = tuple[tuple[str, str], ...]
 
 
+def _fmt_value(value: float) -> str:
+    """Exact: whole numbers as integers (byte counters pass 10**6), others as repr."""
+    if value.is_integer() and abs(value) < 2**63:
+        return str(int(value))
+    return repr(value)
+
+
 def _fmt_labels(labels: Labels) -> str:
     if not labels:
         return ""
@@ -77,5 +84,5 @@ class Registry:
             if not samples and m.callback is None:
                 samples = [((), 0.0)]
             for labels, value in samples:
-                out.append(f"{m.name}{_fmt_labels(labels)} {value:g}")
+                out.append(f"{m.name}{_fmt_labels(labels)} {_fmt_value(value)}")
         return "\n".join(out) + "\n"
