@@ -1,7 +1,7 @@
 """A process whose state shows through a pause, fork or snapshot.
 
 COUNTER is a shell loop writing an increasing number to /tmp/counter every
-0.1 s. After a full restore it goes on from where it stopped, so a value that
+0.1 s (atomically: write, then rename). After a full restore it goes on from where it stopped, so a value that
 keeps rising from above zero shows the process itself came back.
 """
 
@@ -11,7 +11,12 @@ import time
 
 from e2b import Sandbox
 
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done"
+# written to a temporary file and renamed: a capture taken mid-write must not
+# leave an empty counter behind (that would read as 0)
+COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.tmp; "
+    "mv /tmp/counter.tmp /tmp/counter; sleep 0.1; done"
+)
 
 
 def count(s: Sandbox) -> int:
