@@ -83,6 +83,7 @@ PAYLOAD = 1 << 20
 GUEST_FILE = "/tmp/aenv-bench.bin"
 STEP_TIMEOUT_S = 120.0
 # Between pool samples: a refill takes ~0.5-1 s here.
+HIBERNATE_AFTER_S = 2
 POOL_SPACING_S = 1.5
 # How long a node may take to make the template a snapshot.
 WARM_WAIT_S = 180.0
@@ -102,9 +103,12 @@ ROWS: tuple[Row, ...] = (
     ('commands.run("true")', "command_roundtrip", "command_roundtrip", None),
     ("files.write 1 MiB", "file_write_1mib", "file_write_1mib", None),
     ("files.read 1 MiB", "file_read_1mib", "file_read_1mib", None),
-    ("pause (full, memory)", "pause", "checkpoint", 100.0),
-    ("resume (from disk image): connect", "resume_only", "restore", 50.0),
-    ("resume (from disk image) -> first cmd", "resume", "restore_to_first_command", "1.3x"),
+    ("pause (full: frozen in memory)", "pause", "checkpoint", 100.0),
+    ("resume (from frozen): connect", "resume_only", None, 50.0),
+    ("resume (from frozen) -> first cmd", "resume", None, None),
+    ("hibernate (frozen -> on disk)", "hibernate", "checkpoint", "1.3x"),
+    ("resume (from disk): connect", "resume_disk_only", "restore", "1.3x"),
+    ("resume (from disk) -> first cmd", "resume_disk", "restore_to_first_command", "1.3x"),
     ("fork(count=1)", "fork_1", "fork_1", "1.3x"),
     ("fork(count=4)", "fork_4", "fork_4", "1.3x"),
     ("create_snapshot", "snapshot", "checkpoint_leave_running", "1.3x"),
@@ -212,7 +216,8 @@ def bench_aenv(home: Path, template: str, n: int, workdir: Path) -> dict[str, Se
     runs = (
         NodeRun("boot", {"AENV_WARM_TEMPLATES": "0", "AENV_POOL_SIZE": "0"}, _bench_boot),
         NodeRun("restore", {"AENV_POOL_SIZE": "0"}, _bench_restore),
-        NodeRun("pool", {}, _bench_pool),
+        # paused sandboxes go to disk 2 s after their pause (the default is 60 s)
+        NodeRun("pool", {"AENV_HIBERNATE_AFTER": str(HIBERNATE_AFTER_S)}, _bench_pool),
     )
     for node_run in runs:
         print(f"  node {node_run.name} ...", flush=True)
@@ -355,7 +360,8 @@ def _bench_pool(node: NodeProc, template: str, n: int, results: dict[str, Series
 
     rest = (
         "command_roundtrip", "file_write_1mib", "file_read_1mib", "pause", "resume_only",
-        "resume", "fork_1", "fork_4", "snapshot", "capture_layer_bytes", "capture_image_bytes",
+        "resume", "hibernate", "resume_disk_only", "resume_disk", "fork_1", "fork_4",
+        "snapshot", "capture_layer_bytes", "capture_image_bytes",
     )  # fmt: skip
     try:
         _warm_up(node, template)
@@ -404,7 +410,7 @@ def _bench_pool(node: NodeProc, template: str, n: int, results: dict[str, Series
         timed(results["file_write_1mib"], n, lambda: sbx.files.write(GUEST_FILE, data), _ignore)
         read = lambda: sbx.files.read(GUEST_FILE, format="bytes")  # noqa: E731
         timed(results["file_read_1mib"], n, read, same)
-        _bench_snapshots(sbx, n, results)
+        _bench_snapshots(node, sbx, n, results)
     except Exception as e:
         _fail(results, rest, e)
     finally:
@@ -416,14 +422,27 @@ def _bench_pool(node: NodeProc, template: str, n: int, results: dict[str, Series
         _fail(results, ("capture_layer_bytes", "capture_image_bytes"), e)
 
 
-def _bench_snapshots(sbx: Any, n: int, results: dict[str, Series]) -> None:
-    """Pause/resume, fork and snapshot of a sandbox running a counter loop."""
+def _on_disk(node: NodeProc, sandbox_id: str, limit_s: float = 120.0) -> None:
+    """Wait until a paused sandbox is written to disk (its pausedInMemory goes false)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        d = httpx.get(
+            f"{node.url}/sandboxes/{sandbox_id}", headers={"X-API-Key": node.api_key}, timeout=10
+        ).json()
+        if d.get("state") == "paused" and not d.get("pausedInMemory"):
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"sandbox {sandbox_id} was not written to disk within {limit_s:g} s")
+
+
+def _bench_snapshots(node: NodeProc, sbx: Any, n: int, results: dict[str, Series]) -> None:
+    """Pause/resume (both tiers), fork and snapshot of a sandbox running a counter loop."""
     from e2b import Sandbox
 
     sbx.commands.run(
         "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done", background=True
     )
-    for _ in range(n):
+    for _ in range(n):  # frozen in memory: resumed well before it hibernates
         t0 = time.perf_counter()
         sbx.pause()
         results["pause"].samples.append((time.perf_counter() - t0) * 1000)
@@ -433,6 +452,22 @@ def _bench_snapshots(sbx: Any, n: int, results: dict[str, Series]) -> None:
         back.commands.run("true")
         results["resume"].samples.append((time.perf_counter() - t0) * 1000)
         results["resume_only"].samples.append(connected * 1000)
+    for _ in range(n):  # left paused until it is on disk, then resumed from there
+        sbx.pause()
+        t0 = time.perf_counter()
+        _on_disk(node, sbx.sandbox_id)
+        # what the node spent writing it, beyond the wait before it started
+        spent = (time.perf_counter() - t0) * 1000 - HIBERNATE_AFTER_S * 1000
+        results["hibernate"].samples.append(max(0.0, spent))
+        t0 = time.perf_counter()
+        back = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        connected = time.perf_counter() - t0
+        back.commands.run("true")
+        results["resume_disk"].samples.append((time.perf_counter() - t0) * 1000)
+        results["resume_disk_only"].samples.append(connected * 1000)
+    results[
+        "hibernate"
+    ].note = f"time from pause to on disk minus the {HIBERNATE_AFTER_S:g} s wait (10 ms polling)"
     for count in (1, 4):
         series = results[f"fork_{count}"]
         for _ in range(n):
@@ -463,6 +498,7 @@ def _bench_capture_bytes(node: NodeProc, template: str, n: int, results: dict[st
             sbx.commands.run(f"head -c {PAYLOAD} /dev/urandom > ~/aenv-bench-capture-{i}.bin")
             before = set(os.listdir(layers_dir)) if layers_dir.is_dir() else set()
             sbx.pause()
+            _on_disk(node, sbx.sandbox_id)  # the layer and image are written on hibernation
             new = set(os.listdir(layers_dir)) - before
             if len(new) != 1:
                 raise RuntimeError(f"pause made {len(new)} new layers, expected 1: {sorted(new)}")
