@@ -34,6 +34,7 @@ from aenv.client.errors import (
     NotFound,
     UsageError,
 )
+from aenv.client.progress import pull_with_progress
 from aenv.client.render import OutputFormat
 from aenv.client.rest import Client
 from aenv.client.session import ExecRequest, SessionResult, run_attached
@@ -234,20 +235,33 @@ def pull(
     ready_cmd: Annotated[
         str | None, Parameter(help="command that succeeds once the start command is ready")
     ] = None,
+    detach: Annotated[
+        bool,
+        Parameter(name=["--detach", "-d"], negative="", help="start the pull, do not wait"),
+    ] = False,
     node: NodeOptions = _NODE,
 ) -> None:
-    """Build a template from an OCI image."""
+    """Build a template from an OCI image (progress on stderr while it pulls)."""
     if image_cmd and start_cmd:
         raise UsageError("give --start-cmd or --image-cmd, not both")
     with node.client() as c:
-        result = c.pull(
-            image,
-            name,
-            cpu=cpu,
-            memory=memory,
-            start_cmd=True if image_cmd else start_cmd,
-            ready_cmd=ready_cmd,
-        )
+
+        def send(wait: bool = True) -> Any:
+            return c.pull(
+                image,
+                name,
+                cpu=cpu,
+                memory=memory,
+                start_cmd=True if image_cmd else start_cmd,
+                ready_cmd=ready_cmd,
+                wait=wait,
+            )
+
+        if detach:
+            send(wait=False)
+            print(f"pulling {image} into template {name} on the node", file=sys.stderr)
+            return
+        result = pull_with_progress(c, image, send, out=sys.stderr)
     print(render.dumps(result) if result is not None else name)
 
 

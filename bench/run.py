@@ -10,8 +10,8 @@ template's snapshot (`AENV_POOL_SIZE=0`, after the snapshot exists) and on
 one with the default pool (samples spaced so the pool can refill; pool hits
 counted from the sandboxes' logs). On the pool node it then times a
 `commands.run("true")` round trip, writing and reading 1 MiB, pause, resume
-(from the disk image: aenv has no frozen pause tier yet) until connect
-returns and until a first command, fork(count=1), fork(count=4) and
+from frozen (at once) and from disk (after the node hibernated the sandbox)
+until connect returns and until a first command, the hibernation itself, fork(count=1), fork(count=4) and
 create_snapshot, and the bytes a capture writes (the new frozen layer and the
 memory image) after 1 MiB of a file changed. In the same run it times the
 floor, the same operations done directly with `runsc` and no aenv at all,
@@ -924,8 +924,8 @@ def table(aenv: dict[str, Series] | None, floor: dict[str, Series] | None) -> st
     lines = _grid(rows)
     lines.append(
         "(milliseconds; floor = runsc alone, busybox rootfs; fork floor = checkpoint "
-        "--leave-running + concurrent restores; aenv has no frozen pause tier yet, so every "
-        "resume is from the disk image)"
+        "--leave-running + concurrent restores; pause freezes in memory, hibernate writes "
+        "to disk)"
     )
     mib = float(1 << 20)
     brows = [("bytes per capture (MiB)", "n", "p50", "p95")]

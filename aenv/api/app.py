@@ -59,6 +59,7 @@ from aenv.node.snapshots import CorruptSnapshot
 from aenv.node.warm import is_internal
 from aenv.proto import requests as rq
 from aenv.proto.ids import InvalidName, check_name, is_sandbox_id
+from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.storage.templates import TemplateConflict, TemplateNotFound
 
 log = logging.getLogger("aenv.api")
@@ -580,12 +581,39 @@ def create_app(node: Node) -> QuartTrio:
         records = await trio.to_thread.run_sync(node.images.store.records)
         return _json([r.to_api() for r in records])
 
+    @app.get("/images/pulls")
+    async def images_pulls() -> Response:
+        return _json(node.images.store.pulls())
+
     @app.post("/images")
     async def images_pull() -> Response:
-        """Pull an image; with `name`, also make it a template of that name."""
+        """Pull an image; with `name`, also make it a template of that name.
+
+        With `"wait": false` the pull runs in the background (202): follow it
+        at `GET /images/pulls`.
+        """
         body = await _body()
         if not isinstance(body, dict) or not isinstance(body.get("image"), str):
             raise ApiError(400, 'body must be {"image": REFERENCE[, "name": NAME]}')
+        wait = body.get("wait", True)
+        if not isinstance(wait, bool):
+            raise ApiError(400, "wait must be a boolean")
+        name, sizes = await _pull_request(body)
+        if not wait:
+            try:
+                parse_reference(body["image"])
+            except InvalidReference as e:
+                raise ApiError(400, str(e)) from None
+
+            async def in_background() -> None:
+                await _pull_and_name(body, name, sizes)
+
+            node.start_background(in_background, f"pulling {body['image']}")
+            return _json({"image": body["image"], "state": "pulling"}, 202)
+        return _json(await _pull_and_name(body, name, sizes), 201)
+
+    async def _pull_request(body: dict[str, Any]) -> tuple[str | None, dict[str, int]]:
+        """The template name and sizes a pull request asks for, checked."""
         name = body.get("name")
         sizes = {}
         for key, top in (
@@ -607,6 +635,14 @@ def create_app(node: Node) -> QuartTrio:
             with contextlib.suppress(TemplateNotFound):
                 await trio.to_thread.run_sync(node.templates.resolve, name)
                 raise ApiError(409, f"template {name!r} already exists")
+        start_cmd = body.get("startCmd")
+        if (start_cmd is not None or body.get("readyCmd") is not None) and name is None:
+            raise ApiError(400, "startCmd and readyCmd need a template name")
+        return name, sizes
+
+    async def _pull_and_name(
+        body: dict[str, Any], name: str | None, sizes: dict[str, int]
+    ) -> dict[str, Any]:
         try:
             record = await node.images.pull(body["image"])
         except PullError as e:
@@ -642,7 +678,7 @@ def create_app(node: Node) -> QuartTrio:
             except TemplateConflict as e:
                 raise ApiError(409, str(e)) from None
             out["template"] = t.to_api()
-        return _json(out, 201)
+        return out
 
     from aenv.api import builds, exec_ws  # the exec WebSocket (docs/exec-protocol.md)
 

@@ -285,8 +285,9 @@ class Client:
         memory: int | None,
         start_cmd: str | bool | None = None,
         ready_cmd: str | None = None,
+        wait: bool = True,
     ) -> Any:
-        body: dict[str, Any] = {"image": image, "name": name}
+        body: dict[str, Any] = {"image": image, "name": name, "wait": wait}
         if start_cmd is not None:
             body["startCmd"] = start_cmd
         if ready_cmd is not None:
@@ -298,6 +299,11 @@ class Client:
         # A first pull downloads and converts every layer: allow it time.
         resp = self.request("POST", "/images", what=f"pull {image}", json_body=body, timeout=3600)
         return self._json(resp)
+
+    def pulls(self) -> list[dict[str, Any]]:
+        """Pulls the node is doing (or just did), with their progress."""
+        resp = self.request("GET", "/images/pulls", what="pull progress", timeout=10)
+        return list(self._json(resp))
 
     # -- files through the envd proxy -------------------------------------------------
 

@@ -221,6 +221,21 @@ def _hex(digest: str) -> str:
 
 
 @dataclass
+class PullProgress:
+    """One pull as `GET /images/pulls` shows it."""
+
+    reference: str
+    started_at: float = field(default_factory=time.time)
+    layers: list[tuple[str, int]] = field(default_factory=list)  # (digest, compressed size)
+    done: set[str] = field(default_factory=set)
+    error: str | None = None
+    finished_at: float | None = None
+
+
+_PULLS_KEPT_S = 600.0  # finished pulls stay listed this long
+
+
+@dataclass
 class _Refetch:
     """One pass over a layer blob cutting the chunks misses asked for."""
 
@@ -259,6 +274,8 @@ class ImageStore:
         self._pull_locks: dict[str, trio.Lock] = {}
         self._refetches: dict[str, _Refetch] = {}
         self._chunk_lists: dict[str, tuple[LayerIndex, list[Chunk]]] = {}
+        self._pulls: dict[str, PullProgress] = {}
+        self._layer_bytes: dict[str, int] = {}  # blob bytes received per converting layer
         self.bytes_downloaded = 0
         self.bytes_from_store = 0  # chunk bytes fetched from the object store
         self.layers_from_store = 0  # layer indexes taken from the store instead of converting
@@ -339,19 +356,57 @@ class ImageStore:
             return found
         lock = self._pull_locks.setdefault(str(ref), trio.Lock())
         async with lock:
-            return await self._pull(ref, platform or host_platform())
+            progress = self._pulls[str(ref)] = PullProgress(reference=str(ref))
+            try:
+                return await self._pull(ref, platform or host_platform(), progress)
+            except BaseException as exc:
+                progress.error = str(exc) or type(exc).__name__
+                raise
+            finally:
+                progress.finished_at = time.time()
 
-    async def _pull(self, ref: ImageRef, platform: str) -> ImageRecord:
+    def pulls(self) -> list[dict[str, Any]]:
+        """Pulls in progress, and those that ended in the last minutes (with their error)."""
+        now = time.time()
+        for key, p in list(self._pulls.items()):
+            if p.finished_at is not None and now - p.finished_at > _PULLS_KEPT_S:
+                del self._pulls[key]
+        out = []
+        for p in self._pulls.values():
+            total = sum(size for _, size in p.layers)
+            got = sum(
+                size if d in p.done else min(size, self._layer_bytes.get(d, 0))
+                for d, size in p.layers
+            )
+            out.append(
+                {
+                    "image": p.reference,
+                    "state": "error"
+                    if p.error
+                    else ("done" if p.finished_at is not None else "pulling"),
+                    "layers": len(p.layers),
+                    "layersDone": len(p.done),
+                    "bytes": total,
+                    "bytesDone": got,
+                    "error": p.error,
+                    "startedAt": p.started_at,
+                }
+            )
+        return out
+
+    async def _pull(self, ref: ImageRef, platform: str, progress: PullProgress) -> ImageRecord:
         os_name, _, arch = platform.partition("/")
         started = time.monotonic()
         try:
             resolved = await self.registry.resolve(ref, platform=(os_name, arch or "amd64"))
             indexes: list[LayerIndex | None] = [None] * len(resolved.layers)
+            progress.layers = [(d.digest, d.size) for d in resolved.layers]
 
             diff_ids = list(resolved.config.diff_ids)
 
             async def one(i: int) -> None:
                 indexes[i] = await self._layer(ref, resolved.layers[i], diff_ids[i])
+                progress.done.add(resolved.layers[i].digest)
 
             try:
                 async with trio.open_nursery() as nursery:
@@ -458,9 +513,11 @@ class ImageStore:
         self, ref: ImageRef, desc: Any, converter: LayerConverter, path: Path
     ) -> LayerIndex:
         pending = bytearray()
+        self._layer_bytes[desc.digest] = 0
         async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
             async for piece in stream:
                 self.bytes_downloaded += len(piece)
+                self._layer_bytes[desc.digest] += len(piece)
                 pending += piece
                 if len(pending) >= _FEED_BYTES:
                     data, pending = bytes(pending), bytearray()

@@ -16,7 +16,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -472,6 +472,17 @@ class Node:
             cpu_count=int(doc.get("cpuCount") or template.cpu_count),
             memory_mb=int(doc.get("memoryMB") or template.memory_mb),
         )
+
+    def start_background(self, afn: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run `afn` in the node's nursery; its failure is logged, never raised."""
+
+        async def run() -> None:
+            try:
+                await afn()
+            except Exception:
+                log.exception("%s failed", what)
+
+        self._nursery.start_soon(run)
 
     async def hibernate_paused(self, *, within_s: float = 60.0) -> None:
         """Write every sandbox paused in memory to disk (before a clean shutdown),

@@ -179,14 +179,25 @@ def test_snapshots(env: dict[str, str], sid: str) -> None:
 
 def test_pull_makes_a_template_to_start_from(env: dict[str, str], registry: LocalRegistry) -> None:
     img = push_busybox(registry, "cli-pull", "1", config={"Env": ["FROM=cli"]})
-    out = ok(env, "pull", img.ref, "--name", "cli-busybox", "--memory", "256")
-    assert "cli-busybox" in out
+    r = aenv(env, "pull", img.ref, "--name", "cli-busybox", "--memory", "256")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "cli-busybox" in r.stdout.decode()
+    assert f"pulled {img.ref}: 1 layers" in r.stderr.decode()  # progress goes to stderr
     started = ok(env, "start", "cli-busybox", "--detach").strip()
     try:
         assert ok(env, "exec", started, "--", "sh", "-c", "echo $FROM") == "cli\n"
     finally:
         ok(env, "rm", started)
     ok(env, "template", "rm", "cli-busybox")
+    # -d: the node pulls in the background; the template appears when it is done
+    other = push_busybox(registry, "cli-pull", "2", config={"Env": ["FROM=detached"]})
+    r = aenv(env, "pull", other.ref, "--name", "cli-detached", "-d")
+    assert r.returncode == 0 and "pulling" in r.stderr.decode(), r.stderr.decode()
+    deadline = time.monotonic() + 60
+    while "cli-detached" not in ok(env, "template", "ls", "--output", "json"):
+        assert time.monotonic() < deadline, "the detached pull never made its template"
+        time.sleep(0.3)
+    ok(env, "template", "rm", "cli-detached")
     line = one_line_error(aenv(env, "pull", f"{registry.host}/no-such-image:1", "--name", "x"), 66)
     assert "no-such-image" in line
     line = one_line_error(aenv(env, "pull", "Not//A Reference", "--name", "y"), EXIT_USAGE)
