@@ -14,6 +14,8 @@ which unmounts.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
@@ -29,7 +31,30 @@ from aenv.proto.layerindex import Chunk
 __all__ = ["ImageMount", "main_loop_fetcher", "open_image_mount"]
 
 _T = TypeVar("_T")
+log = logging.getLogger("aenv.images")
 _START_TIMEOUT_S = 30.0
+# Kernel read-ahead on the mount: FUSE's default 128 KiB makes sequential
+# reads one small request each; 1 MiB (a chunk) read 1.5x faster here.
+READAHEAD_KB = 1024
+
+
+def set_readahead(path: Path, kb: int) -> bool:
+    """Set the read-ahead of the file system mounted at `path` (blocking).
+
+    Finds its device in /proc/self/mountinfo rather than stat-ing the mount,
+    which would be a request to the file system itself. False if not possible.
+    """
+    target = os.path.abspath(path)
+    try:
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == target:
+                bdi = Path("/sys/class/bdi") / fields[2] / "read_ahead_kb"
+                bdi.write_text(str(kb))
+                return True
+    except OSError as exc:
+        log.warning("cannot set read-ahead on %s: %s", path, exc)
+    return False
 
 
 class ImageMount:
@@ -120,6 +145,7 @@ async def open_image_mount(
             state["token"].run_sync_soon(state["stop"].set)
         await trio.to_thread.run_sync(thread.join, _START_TIMEOUT_S)
         raise RuntimeError(f"the image mount at {path} did not start: {state.get('error')!r}")
+    await trio.to_thread.run_sync(set_readahead, path, READAHEAD_KB)
     try:
         yield ImageMount(path=path, fs=fs, cache=cache, token=state["token"])
     finally:
