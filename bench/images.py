@@ -63,7 +63,9 @@ from aenv.config import Config  # noqa: E402
 from aenv.runtimes.base import SandboxSpec  # noqa: E402
 from aenv.runtimes.gvisor import oci_config  # noqa: E402
 from bench.run import (  # noqa: E402
+    MAIN_NET,
     Floor,
+    FloorNet,
     Interrupted,
     Series,
     _describe,
@@ -158,7 +160,10 @@ class Throughput:
 class PullFloor(Floor):
     """bench/run.py's floor with this benchmark's own netns and cgroup parent."""
 
-    def bundle(self, cid: str, argv: tuple[str, ...], rootfs: Path) -> Path:
+    def bundle(
+        self, cid: str, argv: tuple[str, ...], rootfs: Path, net: FloorNet = MAIN_NET
+    ) -> Path:
+        """As the base's, always in this benchmark's own netns (`net` is not used)."""
         bundle_dir = self.workdir / "bundles" / cid
         bundle_dir.mkdir(parents=True)
         spec = SandboxSpec(
@@ -177,7 +182,8 @@ class PullFloor(Floor):
         (bundle_dir / "config.json").write_text(json.dumps(config, indent=1))
         return bundle_dir
 
-    def reset_guest_address(self) -> None:
+    @staticmethod
+    def reset_guest_address(net: FloorNet = MAIN_NET) -> None:
         run(["ip", "-n", FLOOR_NETNS, "addr", "replace", f"{FLOOR_GUEST_IP}/30", "dev", "eth0"])
         run(["ip", "-n", FLOOR_NETNS, "route", "replace", "default", "via", FLOOR_HOST_IP])
 
@@ -511,8 +517,8 @@ def _sample_lazy(node: NodeProc, img: PushedImage, res: Results) -> None:
     except Exception as e:
         series.error = _describe(e)
         return
-    series.samples_ms.append(first * 1000)
-    res.lazy["create_only"].samples_ms.append(created * 1000)
+    series.samples.append(first * 1000)
+    res.lazy["create_only"].samples.append(created * 1000)
     res.samples.append(sample)
     print(f"  aenv lazy   {first:6.2f}s (create {created:.2f}s); registry "
           f"{sample.registry_bytes / MiB:.0f} MiB, FUSE read {sample.fs_read_bytes / MiB:.2f} MiB",
@@ -526,7 +532,7 @@ def _sample_lazy(node: NodeProc, img: PushedImage, res: Results) -> None:
     except Exception as e:
         again.error = _describe(e)
         return
-    again.samples_ms.append(first * 1000)
+    again.samples.append(first * 1000)
     print(f"  aenv again  {first:6.2f}s (image already pulled)", flush=True)
 
 
@@ -540,10 +546,10 @@ def _sample_full(floor: PullFloor, img: PushedImage, dest: Path, cid: str, res: 
         total.error = _describe(e)
         return False
     for key, secs in steps.items():
-        res.full[key].samples_ms.append(secs * 1000)
+        res.full[key].samples.append(secs * 1000)
     pull = steps["skopeo_copy"] + steps["umoci_unpack"]
-    res.full["pull_unpack"].samples_ms.append(pull * 1000)
-    total.samples_ms.append((pull + steps["runsc_start"]) * 1000)
+    res.full["pull_unpack"].samples.append(pull * 1000)
+    total.samples.append((pull + steps["runsc_start"]) * 1000)
     print(f"  full pull   {pull + steps['runsc_start']:6.2f}s (copy {steps['skopeo_copy']:.2f}s, "
           f"unpack {steps['umoci_unpack']:.2f}s, runsc {steps['runsc_start']:.2f}s)",
           flush=True)  # fmt: skip
@@ -583,9 +589,9 @@ def _stop(node: NodeProc, res: Results) -> None:
 
 
 def _secs(series: Series, q: int) -> str:
-    if not series.samples_ms:
+    if not series.samples:
         return "error" if series.error else "-"
-    return f"{percentile(series.samples_ms, q) / 1000:.2f}"
+    return f"{percentile(series.samples, q) / 1000:.2f}"
 
 
 def _grid(rows: list[tuple[str, ...]]) -> list[str]:
@@ -603,10 +609,10 @@ def _grid(rows: list[tuple[str, ...]]) -> list[str]:
 
 def ratios(res: Results) -> dict[str, float]:
     """Full pull over lazy start: of the p50s, and the median of per-image ratios."""
-    lazy = res.lazy["create_to_first_command"].samples_ms
+    lazy = res.lazy["create_to_first_command"].samples
     out: dict[str, float] = {}
     for key in ("pull_unpack_start", "pull_unpack"):
-        full = res.full[key].samples_ms
+        full = res.full[key].samples
         if lazy and full:
             out[f"{key}_p50"] = percentile(full, 50) / percentile(lazy, 50)
             paired = [f / a for f, a in zip(full, lazy, strict=False)]
@@ -641,11 +647,11 @@ def report(res: Results, args: argparse.Namespace) -> str:
     rows.append(("aenv (lazy)", "", "", ""))
     for key, label in LAZY_OPS:
         s = res.lazy[key]
-        rows.append((label, str(len(s.samples_ms)), _secs(s, 50), _secs(s, 95)))
+        rows.append((label, str(len(s.samples)), _secs(s, 50), _secs(s, 95)))
     rows.append(("full pull (skopeo + umoci + runsc)", "", "", ""))
     for key, label in FULL_OPS:
         s = res.full[key]
-        rows.append((label, str(len(s.samples_ms)), _secs(s, 50), _secs(s, 95)))
+        rows.append((label, str(len(s.samples)), _secs(s, 50), _secs(s, 95)))
     lines += _grid(rows)
     r = ratios(res)
     if r:

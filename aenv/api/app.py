@@ -496,7 +496,11 @@ def create_app(node: Node) -> QuartTrio:
     async def snapshot_delete(snapshot_id: str) -> Response:
         doc = await node.snapshots.resolve(snapshot_id)
         if doc is None:
-            raise ApiError(404, f"snapshot {snapshot_id!r} not found")
+            remote = await node.durable.locate(snapshot_id)  # only in the object store?
+            if remote is None:
+                raise ApiError(404, f"snapshot {snapshot_id!r} not found")
+            await node.durable.delete_remote(remote)
+            return _no_content()
         await _refuse_backing(doc["snapshotID"])
         await node.snapshots.delete(doc["snapshotID"])
         await node.collect_layers()

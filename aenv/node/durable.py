@@ -322,6 +322,11 @@ class Durable:
 
     # -- deletion and garbage collection --------------------------------------------------
 
+    async def delete_remote(self, doc: dict[str, Any]) -> None:
+        """Delete a snapshot only the object store holds (a `locate` result)."""
+        self._found.pop(str(doc["snapshotID"]), None)
+        await self._deleted({**doc, "storage": "durable"})
+
     async def _deleted(self, doc: dict[str, Any]) -> None:
         snap_id = str(doc["snapshotID"])
         scope = self._uploads.get(snap_id)

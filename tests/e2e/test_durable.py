@@ -219,6 +219,13 @@ def test_a_snapshot_restores_on_a_node_that_never_saw_it(nodes: Nodes) -> None:
         again.kill()
         nodes.stop()
 
+    # a node that never had it deletes it from the store
+    nodes.start("c")
+    assert nodes.delete(f"/snapshots/{sid}").status_code == 204
+    assert nodes.get(f"/snapshots/{sid}").status_code == 404
+    assert nodes.delete(f"/snapshots/{sid}").status_code == 404
+    nodes.stop()
+
 
 def test_killing_the_store_mid_upload_leaves_it_uploading_until_it_returns(
     nodes: Nodes,
