@@ -697,14 +697,7 @@ class ImageStore:
             cutter = ChunkCutter(
                 wanted=[*job.wanted.values(), *ahead], on_chunk=found, media_type=desc.media_type
             )
-            async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
-                async for piece in stream:
-                    self.bytes_downloaded += len(piece)
-                    await trio.to_thread.run_sync(cutter.feed, piece)
-                    if cutter.done:
-                        break
-            if not cutter.done:
-                await trio.to_thread.run_sync(cutter.finish)
+            await self._cut(ref, desc, cutter)
         except Exception as exc:
             job.error = exc
             raise
@@ -732,10 +725,17 @@ class ImageStore:
             trio.from_thread.run(sink, chunk, data)
 
         cutter = ChunkCutter(wanted=chunks, on_chunk=found, media_type=desc.media_type)
+        await self._cut(ref, desc, cutter)
+
+    async def _cut(self, ref: ImageRef, desc: _LayerDesc, cutter: ChunkCutter) -> None:
+        """Stream `desc`'s blob through `cutter` until it has every chunk it wants.
+
+        Not under the conversion limiter: a cutter's callback may wait (on the
+        object store, for `recut`) while it holds its thread.
+        """
         async with aclosing(self.registry.blob_stream(ref, desc)) as stream:
             async for piece in stream:
                 self.bytes_downloaded += len(piece)
-                # Not under the conversion limiter: the thread waits on the store in `sink`.
                 await trio.to_thread.run_sync(cutter.feed, piece)
                 if cutter.done:
                     break
