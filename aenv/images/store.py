@@ -109,15 +109,6 @@ class ImageConfigView:
             cmd=tuple(str(e) for e in doc.get("cmd") or ()),
         )
 
-    @property
-    def env_map(self) -> dict[str, str]:
-        out = {}
-        for item in self.env:
-            key, _, value = item.partition("=")
-            if key:
-                out[key] = value
-        return out
-
 
 @dataclass(frozen=True, kw_only=True)
 class ImageRecord:

@@ -139,18 +139,6 @@ class _State:
     user: str
 
 
-def _default_user(t: Template) -> str:
-    if t.user:
-        return t.user.partition(":")[0] or "root"
-    return "user" if t.image_key is None else "root"
-
-
-def _default_workdir(t: Template) -> str:
-    if t.workdir:
-        return t.workdir
-    return "/home/user" if t.image_key is None else "/"
-
-
 class _Lines:
     """Splits a process's output into log lines (per stream, keeping partial lines)."""
 
@@ -340,7 +328,7 @@ class Builds:
                 if s.type == "COPY":
                     raise StepFailed(str(i), f"step {i} (COPY): COPY is not supported yet")
             base = await self._base(build, spec)
-            state = _State(env={}, workdir=_default_workdir(base), user=_default_user(base))
+            state = _State(env={}, workdir=base.default_workdir, user=base.default_user)
             build.log(f"starting a build sandbox from {base.template_id}", step=step)
             actor = await self.node.create(
                 NewSandbox(

@@ -754,8 +754,8 @@ class SandboxActor:
         body: dict[str, Any] = {
             "envVars": self.env_vars,
             "accessToken": self.envd_access_token,
-            "defaultUser": self._default_user(),
-            "defaultWorkdir": self._default_workdir(),
+            "defaultUser": self.template.default_user,
+            "defaultWorkdir": self.template.default_workdir,
             # microseconds: envd ignores an /init not newer than the last (a pool
             # member is initialised twice within a second when adopted at once)
             "timestamp": datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z"),
@@ -766,17 +766,6 @@ class SandboxActor:
         r = await client.post(f"{base}/init", json=body, headers=headers, timeout=10.0)
         if r.status_code >= 300:
             raise EnvdUnavailable(f"envd /init answered {r.status_code}: {r.text[:200]}")
-
-    def _default_user(self) -> str:
-        """A template's (or image config's) User; else "user" for E2B templates, root for images."""
-        if self.template.user:
-            return self.template.user.partition(":")[0] or "root"
-        return "user" if self.template.image_key is None else "root"
-
-    def _default_workdir(self) -> str:
-        if self.template.workdir:
-            return self.template.workdir
-        return "/home/user" if self.template.image_key is None else "/"  # as `docker run` does
 
     async def _serve(self) -> None:
         assert self._running is not None

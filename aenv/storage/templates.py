@@ -96,6 +96,22 @@ class Template:
     snapshot_id: str | None = None
 
     @property
+    def default_user(self) -> str:
+        """Who commands run as: the template's (or image config's) User; else
+        "user" for E2B templates, root for images."""
+        if self.user:
+            return self.user.partition(":")[0] or "root"
+        return "user" if self.image_key is None else "root"
+
+    @property
+    def default_workdir(self) -> str:
+        """Where commands start: the template's WorkingDir; else the E2B home, or
+        "/" for images (as `docker run` does)."""
+        if self.workdir:
+            return self.workdir
+        return "/home/user" if self.image_key is None else "/"
+
+    @property
     def env_map(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for item in self.env:
