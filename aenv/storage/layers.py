@@ -45,6 +45,8 @@ from aenv.kit.files import fsync_dir
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
+    "Captured",
+    "EntryKey",
     "Layer",
     "LayerError",
     "LayerStack",
@@ -60,6 +62,8 @@ _OPAQUE = "trusted.overlay.opaque"
 # Written only with redirect_dir / metacopy on; compaction cannot follow them.
 _UNSUPPORTED_XATTRS = ("trusted.overlay.redirect", "trusted.overlay.metacopy")
 _META = "layer.json"
+# Coarser than any kernel timestamp tick (HZ=100 gives 10 ms).
+_CTIME_TICK_NS = 20_000_000
 _TREE = "tree"
 
 
@@ -108,6 +112,23 @@ class LayerStack:
     def lowers(self) -> list[Path]:
         """Overlay lower directories, topmost first."""
         return [layer.path for layer in self.layers] + list(self.base)
+
+
+# What a live capture records of each upper entry (by path relative to the
+# upper): a change to any of these means the entry changed.
+EntryKey = tuple[int, int, int, int, int]  # inode, ctime ns, mtime ns, size, mode
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A live capture of a running sandbox's upper (`LayerStore.capture`)."""
+
+    # The captured filesystem: the new layer over what it was captured over.
+    stack: LayerStack
+    # Every upper entry as it was then; the next capture copies what differs.
+    entries: dict[str, EntryKey]
+    # File bytes this capture copied.
+    copied_bytes: int
 
 
 class LayerStore:
@@ -169,6 +190,47 @@ class LayerStore:
             layer_id, staging, below=below.ids(), base=below.base, moved_from=upper
         )
 
+    # -- live capture ------------------------------------------------------
+
+    async def capture(
+        self, upper: Path, *, below: LayerStack, since: Captured | None = None
+    ) -> Captured:
+        """A new layer holding what a still-mounted upper changed since `since`.
+
+        For snapshots and forks of a sandbox that keeps running: the caller
+        holds the sandbox (no process writes) while this runs. The upper stays
+        where it is, in use. The first capture of an upper (over `below`, the
+        stack it is mounted over) copies all of it; each later one copies
+        only the entries whose inode, ctime, mtime, size or mode changed since
+        `since`, and whiteouts for those that went, over `since`'s stack, so
+        the cost follows what changed, not the root filesystem. Returns
+        when the kernel's clock has moved past every change seen, so any later
+        write gets a later ctime and is seen by the next capture.
+        """
+        async with self._lock:
+            return await trio.to_thread.run_sync(self._capture_sync, Path(upper), below, since)
+
+    def _capture_sync(self, upper: Path, below: LayerStack, since: Captured | None) -> Captured:
+        if not upper.is_dir():
+            raise LayerError(f"{upper} is not a directory")
+        layer_id, staging = self._staging()
+        tree = staging / _TREE
+        try:
+            diff = _UpperDiff(upper, tree, since.entries if since is not None else {})
+            diff.run()
+            _syncfs(tree)
+            over = since.stack if since is not None else below
+            layer = self._publish(layer_id, staging, below=over.ids(), base=over.base,
+                                  moved_from=None)  # fmt: skip
+        except BaseException:
+            _rmtree(staging)
+            raise
+        # ctimes come from a coarse clock: wait until it is past the newest seen
+        wait_ns = diff.newest_ctime_ns + _CTIME_TICK_NS - time.time_ns()
+        if wait_ns > 0:
+            time.sleep(min(wait_ns, _CTIME_TICK_NS) / 1e9)
+        return Captured(stack=self.chain(layer), entries=diff.entries, copied_bytes=diff.copied)
+
     # -- layers brought from elsewhere (the object store) -----------------
 
     def new_staging(self) -> Path:
@@ -217,7 +279,7 @@ class LayerStore:
         tree = staging / _TREE
         tree.mkdir()
         for layer in reversed(stack.layers):  # bottom up: upper layers override
-            _apply_layer(layer.path, tree, {})
+            _apply_layer(layer.path, tree, {}, stack.base)
         _syncfs(tree)
         return self._publish(layer_id, staging, below=(), base=stack.base, moved_from=None)
 
@@ -453,43 +515,131 @@ def _make_whiteout(path: Path) -> None:
 _Links = dict[tuple[int, int], tuple[Path, int]]
 
 
-def _apply_layer(src_root: Path, dst_root: Path, links: _Links) -> None:
-    """Lay `src_root` (a frozen upper) over `dst_root` with overlayfs semantics."""
-    _apply_dir(src_root, dst_root, links)
+def _apply_layer(src_root: Path, dst_root: Path, links: _Links, base: Sequence[Path]) -> None:
+    """Lay `src_root` (a frozen upper) over `dst_root` with overlayfs semantics.
+
+    `base` is what `dst_root` will be mounted over: a whiteout is kept only
+    where the base has something to hide (overlayfs lists whiteouts in a
+    directory no lower merges with).
+    """
+    _apply_dir(src_root, dst_root, links, list(base), hidden=False)
     _copy_meta(src_root, dst_root, os.lstat(src_root))
 
 
-def _apply_dir(src: Path, dst: Path, links: _Links) -> None:
+def _apply_dir(src: Path, dst: Path, links: _Links, base: list[Path], *, hidden: bool) -> None:
     _check_supported(src)
     if _is_opaque(src):
         _clear_dir(dst)
         _set_opaque(dst)
+    hidden = hidden or _is_opaque(dst)
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
         s = Path(entry.path)
         d = dst / entry.name
+        below = [] if hidden else [b / entry.name for b in base]
         st = os.lstat(s)
         if _is_whiteout(st):
             _remove_any(d)
-            _make_whiteout(d)
+            if any(os.path.lexists(b) for b in below):
+                _make_whiteout(d)
         elif stat.S_ISDIR(st.st_mode):
             try:
                 dst_st: os.stat_result | None = os.lstat(d)
             except FileNotFoundError:
                 dst_st = None
             if dst_st is not None and stat.S_ISDIR(dst_st.st_mode):
-                _apply_dir(s, d, links)
+                _apply_dir(s, d, links, below, hidden=False)
             else:
                 replaced = _remove_any(d)
                 os.mkdir(d, 0o700)
-                _apply_dir(s, d, links)
                 if replaced:
                     # Below, a whiteout or non-directory hid the base's entry;
                     # a plain directory here would merge with it again.
                     _set_opaque(d)
+                _apply_dir(s, d, links, below, hidden=replaced)
             _copy_meta(s, d, st)
         else:
             _remove_any(d)
             _copy_node(s, d, st, links)
+
+
+class _UpperDiff:
+    """Copy what changed in a live upper since `prev` into `tree` (see `LayerStore.capture`).
+
+    Overlay semantics of the result, laid over the layer `prev` was captured
+    into: an entry that is new or changed is copied; one that went gets a
+    whiteout (only where its parent directory is still the same directory:
+    a replaced or removed parent hides it anyway); a directory that is new
+    where something else was, or that is opaque in the upper, is copied
+    whole and made opaque; a directory that is the same one as before
+    (same inode) is a plain directory holding only what changed inside it.
+    """
+
+    def __init__(self, upper: Path, tree: Path, prev: dict[str, EntryKey]) -> None:
+        self.upper = upper
+        self.tree = tree
+        self.prev = prev
+        self.entries: dict[str, EntryKey] = {}
+        self.copied = 0
+        self.newest_ctime_ns = 0
+        self._links: _Links = {}
+        self._same_dirs: set[str] = {""}
+        self._made: set[str] = {""}
+
+    def run(self) -> None:
+        self.tree.mkdir()
+        st = os.lstat(self.upper)
+        self._note(st)
+        self._walk(self.upper, "", copy_all=not self.prev)
+        for rel in sorted(self.prev.keys() - self.entries.keys()):
+            parent = os.path.dirname(rel)
+            if parent in self._same_dirs:
+                self._ensure_dir(parent)
+                _make_whiteout(self.tree / rel)
+        _copy_meta(self.upper, self.tree, st)
+
+    def _note(self, st: os.stat_result) -> EntryKey:
+        self.newest_ctime_ns = max(self.newest_ctime_ns, st.st_ctime_ns)
+        return (st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size, st.st_mode)
+
+    def _walk(self, src: Path, rel: str, *, copy_all: bool) -> None:
+        _check_supported(src)
+        for entry in sorted(os.scandir(src), key=lambda e: e.name):
+            s = Path(entry.path)
+            r = f"{rel}/{entry.name}" if rel else entry.name
+            st = os.lstat(s)
+            key = self.entries[r] = self._note(st)
+            old = self.prev.get(r)
+            if stat.S_ISDIR(st.st_mode):
+                same = old is not None and old[0] == st.st_ino and stat.S_ISDIR(old[4])
+                if copy_all or not same:
+                    d = self.tree / r
+                    self._ensure_dir(rel)
+                    os.mkdir(d, 0o700)
+                    self._made.add(r)
+                    self._walk(s, r, copy_all=True)
+                    if _is_opaque(s) or (not copy_all and old is not None):
+                        _set_opaque(d)
+                    _copy_meta(s, d, st)
+                else:
+                    self._same_dirs.add(r)
+                    if key != old:
+                        self._ensure_dir(r)
+                    self._walk(s, r, copy_all=False)
+            elif copy_all or key != old:
+                self._ensure_dir(rel)
+                _copy_node(s, self.tree / r, st, self._links)
+                if stat.S_ISREG(st.st_mode):
+                    self.copied += st.st_size
+
+    def _ensure_dir(self, rel: str) -> None:
+        """`rel` (a directory the upper has had since `prev`) exists in the tree."""
+        if rel in self._made:
+            return
+        self._ensure_dir(os.path.dirname(rel))
+        d = self.tree / rel
+        os.mkdir(d, 0o700)
+        self._made.add(rel)
+        _copy_meta(self.upper / rel, d, os.lstat(self.upper / rel))
 
 
 def _check_supported(path: Path) -> None:

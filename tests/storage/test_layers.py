@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import subprocess
 from collections.abc import Callable, Iterator
@@ -310,3 +311,97 @@ async def test_interrupted_work_is_removed_on_open(tmp_path: Path) -> None:
     assert reopened.chain(top.id) == stack
     with pytest.raises(LayerError):
         reopened.get("missing")
+
+
+async def test_live_captures_copy_only_changes_and_match_the_running_view(
+    tmp_path: Path,
+) -> None:
+    """Snapshots of a still-mounted upper: each captured stack shows exactly
+    what the live root showed at that moment, and each capture copies only
+    what changed since the previous one."""
+    base = make_base(tmp_path / "base")
+    store = LayerStore(tmp_path / "store")
+    below = LayerStack.of_base([base])
+    work = tmp_path / "sbx"
+    big = b"x" * (4 << 20)
+    captured = None
+    stacks = []
+    async with open_writable_root(below.lowers(), work) as root:
+        (root / "big").write_bytes(big)  # copied once, by the first capture only
+        for i, change in enumerate((change_1, change_2, change_3)):
+            change(root)
+            captured = await store.capture(work / "upper", below=below, since=captured)
+            if i == 0:
+                assert captured.copied_bytes >= len(big)
+            else:
+                assert captured.copied_bytes < 1 << 20, "an unchanged big file was copied again"
+            assert captured.stack.depth == i + 1
+            with mounted_view(captured.stack.lowers(), tmp_path / f"view{i}") as v:
+                assert observe(v) == observe(root)
+            stacks.append(captured.stack)
+        # later changes reach neither earlier captures nor their layers
+        (root / "etc" / "os").write_text("after")
+        with mounted_view(stacks[-1].lowers(), tmp_path / "view-last") as v:
+            assert (v / "etc" / "os").read_text() == "layer 3"
+        # a directory renamed, a file moved away, a hard link added, a file
+        # whose size and mtime are kept but whose bytes changed
+        (root / "app").rename(root / "app2")
+        os.link(root / "app2" / "main.py", root / "app2" / "second")
+        st = os.stat(root / "big")
+        fd = os.open(root / "big", os.O_WRONLY)
+        os.pwrite(fd, b"y", 0)
+        os.close(fd)
+        os.utime(root / "big", ns=(st.st_atime_ns, st.st_mtime_ns))
+        captured = await store.capture(work / "upper", below=below, since=captured)
+        assert captured.copied_bytes < 6 << 20
+        with mounted_view(captured.stack.lowers(), tmp_path / "view-rename") as v:
+            assert observe(v) == observe(root)
+            assert not (v / "app").exists()
+            assert (v / "big").read_bytes()[:1] == b"y"
+        # a directory only the upper has, removed and made again: the new
+        # one must hide what the captured one held
+        shutil.rmtree(root / "app2")
+        (root / "app2").mkdir()
+        (root / "app2" / "only").write_text("only")
+        captured = await store.capture(work / "upper", below=below, since=captured)
+        with mounted_view(captured.stack.lowers(), tmp_path / "view-again") as v:
+            assert observe(v) == observe(root)
+            assert os.listdir(v / "app2") == ["only"]
+    # the captured stacks outlive the sandbox's upper
+    assert captured is not None
+    assert await store.gc([captured.stack.ids()[0]]) == []
+    flat = store.chain(await store.compact(captured.stack))
+    with (
+        mounted_view(captured.stack.lowers(), tmp_path / "view-a") as a,
+        mounted_view(flat.lowers(), tmp_path / "view-b") as b,
+    ):
+        assert observe(b) == observe(a)
+
+
+async def test_compaction_writes_no_whiteout_where_the_base_has_nothing(tmp_path: Path) -> None:
+    """A file made in one layer and deleted in the next leaves nothing behind
+    after compaction: overlayfs would list a whiteout in a directory that no
+    lower merges with."""
+    base = make_base(tmp_path / "base")
+    store = LayerStore(tmp_path / "store")
+    stack = LayerStack.of_base([base])
+
+    def make(root: Path) -> None:
+        (root / "new").mkdir()
+        (root / "new" / "f").write_text("f")
+        (root / "new" / "g").write_text("g")
+
+    def remove(root: Path) -> None:
+        (root / "new" / "f").unlink()
+        (root / "etc" / "os").unlink()
+
+    stack = await frozen(store, stack, tmp_path / "a", make)
+    stack = await frozen(store, stack, tmp_path / "b", remove)
+    flat = store.chain(await store.compact(stack))
+    with (
+        mounted_view(stack.lowers(), tmp_path / "view-stack") as a,
+        mounted_view(flat.lowers(), tmp_path / "view-flat") as b,
+    ):
+        assert os.listdir(b / "new") == ["g"]
+        assert not (b / "etc" / "os").exists()  # the base's file stays hidden
+        assert observe(b) == observe(a)
