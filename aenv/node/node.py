@@ -212,7 +212,7 @@ class Node:
 
     async def collect_layers(self) -> None:
         """Remove frozen layers no sandbox uses (young ones stay: one may be mid-freeze)."""
-        live = {lid for a in self._sandboxes.values() for lid in a.stack.ids()}
+        live = {lid for a in self._sandboxes.values() for lid in a.layer_ids()}
         try:
             live |= await self.snapshots.layer_ids()
             live |= await self.paused_layer_ids()
@@ -379,12 +379,15 @@ class Node:
                 raise
             log.exception("sandbox %s crashed", actor.sandbox_id)
 
-    def spawn_forks(self, parent: SandboxActor, image: Path, fork: Fork, req: Request[Any]) -> None:
-        """Start `fork.count` children of `parent` in the background; `req` gets the results."""
-        self._nursery.start_soon(self._forks, parent, image, fork, req)
+    def spawn_forks(
+        self, parent: SandboxActor, image: Path, stack: LayerStack, fork: Fork, req: Request[Any]
+    ) -> None:
+        """Start `fork.count` children of `parent`'s capture (`image` over `stack`)
+        in the background; `req` gets the results."""
+        self._nursery.start_soon(self._forks, parent, image, stack, fork, req)
 
     async def _forks(
-        self, parent: SandboxActor, image: Path, fork: Fork, req: Request[Any]
+        self, parent: SandboxActor, image: Path, stack: LayerStack, fork: Fork, req: Request[Any]
     ) -> None:
         results: list[SandboxActor | Exception] = [
             RuntimeError("fork not attempted") for _ in range(fork.count)
@@ -394,51 +397,57 @@ class Node:
             try:
                 self._check_capacity()
                 sandbox_id = ids.new_sandbox_id(self.config.node_tag)
-                child = SandboxActor.fork_of(parent, sandbox_id, image, fork.timeout_s)
+                child = SandboxActor.fork_of(parent, sandbox_id, image, stack, fork.timeout_s)
                 results[i] = await self._launch(child)
             except Exception as exc:
                 log.warning("fork %d of %s failed: %r", i, parent.sandbox_id, exc)
                 results[i] = exc
 
-        async with trio.open_nursery() as n:
-            for i in range(fork.count):
-                n.start_soon(one, i)
-        await self._source_back(parent.sandbox_id)
+        try:
+            async with trio.open_nursery() as n:
+                for i in range(fork.count):
+                    n.start_soon(one, i)
+        finally:
+            # every child has restored from it (or failed): the image has done its work
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(shutil.rmtree, image, True)
         req.reply(results)
 
-    async def _source_back(self, sandbox_id: str) -> None:
-        """Answer a fork or snapshot only once its source runs again."""
-        actor = self._sandboxes.get(sandbox_id)
-        if actor is not None:
-            with trio.move_on_after(120):
-                await actor.running_again.wait()
-
     def spawn_snapshot(
-        self, source: SandboxActor, image: Path, msg: Snapshot, req: Request[Any]
+        self,
+        source: SandboxActor,
+        image: Path | None,
+        stack: LayerStack,
+        msg: Snapshot,
+        req: Request[Any],
     ) -> None:
-        """Record `source`'s fresh capture as a snapshot in the background; `req` gets it."""
+        """Record `source`'s fresh capture (`image` over `stack`) as a snapshot
+        in the background; `req` gets it."""
         doc: dict[str, Any] = {
             "name": msg.name,
             "names": [msg.name] if msg.name else [],
             "sourceSandboxID": source.sandbox_id,
             "templateID": source.template.template_id,
-            "layers": list(source.stack.ids()),
+            "layers": list(stack.ids()),
             "memory": msg.memory,
             "cpuCount": source.cpu_count,
             "memoryMB": source.memory_mb,
             "envdToken": source.envd_access_token,
         }
-        self._nursery.start_soon(self._snapshot, doc, image if msg.memory else None, req)
+        self._nursery.start_soon(self._snapshot, doc, image, req)
 
     async def _snapshot(self, doc: dict[str, Any], image: Path | None, req: Request[Any]) -> None:
         try:
             recorded = await self.snapshots.record(doc=doc, image=image)
             self.durable.spawn(recorded)  # uploads in the background
-            await self._source_back(doc["sourceSandboxID"])
             req.reply(recorded)
         except Exception as exc:
             log.exception("recording a snapshot failed")
             req.fail(exc)
+        finally:
+            if image is not None:  # the snapshot holds hard links to its files
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(shutil.rmtree, image, True)
 
     async def create_from_snapshot(
         self, doc: dict[str, Any], req: NewSandbox, *, template: Template | None = None

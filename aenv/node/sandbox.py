@@ -33,7 +33,7 @@ from aenv.proto.requests import NewSandbox
 from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
 from aenv.runtimes.netns import NetSlot
 from aenv.storage.bundle import envd_command
-from aenv.storage.layers import LayerStack
+from aenv.storage.layers import Captured, LayerStack
 from aenv.storage.overlay import open_writable_root, unmount_root
 from aenv.storage.templates import Template
 
@@ -47,6 +47,15 @@ LOG_LINES = 1000
 # control calls to envd leave no idle connection behind (a checkpoint would hold it)
 _CLOSE = {"Connection": "close"}
 _CLOSE_GRACE_S = 0.05
+
+
+def _http_client() -> httpx.AsyncClient:
+    """The node's client for one sandbox's envd and proxied traffic."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
+        timeout=httpx.Timeout(30.0),
+        trust_env=False,
+    )
 
 
 class SandboxNotRunning(Exception):
@@ -219,18 +228,17 @@ class SandboxActor:
         # the memory image the next running period restores (None: boot).
         self.stack = LayerStack.of_base([template.rootfs])
         self._resume_image: Path | None = None
-        self._shared_images: set[Path] = set()
+        # the running period's writable upper, and its latest live capture
+        # (a snapshot or fork of the running sandbox; the next copies what changed since)
+        self._upper: Path | None = None
+        self._period_stack: AsyncExitStack | None = None
+        self._live: Captured | None = None
         # set on a fork child: the parent's envd token, which the child rotates
         self._prior_token: str | None = None
         self._period = 0
         self._captures = 0
-        # a capture that resumes the source at once (fork, snapshot)
-        self._fork: tuple[Fork | Snapshot, Request[Msg], str] | None = None
-        self._keep_deadline: float | None = None
         # set on a sandbox recovered paused after a node restart: the TTL it had left
         self._recovered_remaining: float | None = None
-        # set when the source of a fork/snapshot runs again (or gives up)
-        self.running_again = trio.Event()
         self._slot: NetSlot | None = None
         self._serve_scope: trio.CancelScope | None = None
         self._killers: list[Request[Msg]] = []
@@ -337,7 +345,6 @@ class SandboxActor:
             if self.lifecycle.can(lc.Stopped()):
                 self.lifecycle.step(lc.Stopped())
             self.mailbox.close()
-            self.running_again.set()
             node._forget(self, keep_files=keep)
             with trio.CancelScope(shield=True):
                 await node.collect_layers()
@@ -358,6 +365,7 @@ class SandboxActor:
         node = self.node
         self._period += 1
         disk = self.workdir / f"disk{self._period}"
+        self._upper, self._live = disk / "upper", None
         async with AsyncExitStack() as period:
             try:
                 root = await period.enter_async_context(
@@ -380,13 +388,8 @@ class SandboxActor:
                     init_argv=tuple(argv),
                     init_env=env,
                 )
-                self.http = await period.enter_async_context(
-                    httpx.AsyncClient(
-                        limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
-                        timeout=httpx.Timeout(30.0),
-                        trust_env=False,
-                    )
-                )
+                self._period_stack = period
+                self.http = await period.enter_async_context(_http_client())
                 opener = (
                     node.runtime.open_sandbox(spec)
                     if image is None
@@ -402,7 +405,6 @@ class SandboxActor:
                 # a failed resume leaves the sandbox paused, its image intact
                 self.lifecycle.step(lc.ResumeFailed(repr(exc)))
                 self._log(f"resume failed: {exc!r}", level="error")
-                self.running_again.set()
                 for req in self._resumers:
                     req.fail(ResumeError(f"resume failed: {exc}"))
                 self._resumers.clear()
@@ -414,13 +416,8 @@ class SandboxActor:
                 task_status.started(self)
             else:
                 self.lifecycle.step(lc.Resumed(trio.current_time()))
-                if self._keep_deadline is not None:
-                    now = trio.current_time()
-                    self.lifecycle.step(lc.SetTimeout(now, max(0.0, self._keep_deadline - now)))
-                    self._keep_deadline = None
                 self._log("resumed")
                 await self._forget_record()  # running again: a crash now loses it
-                self.running_again.set()
                 for req in self._resumers:
                     req.reply(True)
                 self._resumers.clear()
@@ -445,6 +442,7 @@ class SandboxActor:
                 return True
             finally:
                 self._running = None
+                self._period_stack = None
                 self._slot = None
                 self.sandbox_ip = None
                 self.http = None
@@ -531,10 +529,6 @@ class SandboxActor:
             for req in self._pausers:
                 req.fail(PauseError(f"pause failed: {exc}"))
             self._pausers.clear()
-            if self._fork is not None:
-                _, fork_req, self.pause_mode = self._fork
-                self._fork = None
-                fork_req.fail(PauseError(f"capturing the sandbox failed: {exc}"))
             return False
         # stop (or clean up after) the runtime, then freeze what it wrote
         assert self._runtime_stack is not None
@@ -542,29 +536,13 @@ class SandboxActor:
         upper = await unmount_root(disk)
         layer = await self.node.layers.freeze(upper, below=self.stack)
         self.stack = await self.node.layers.limit_depth(self.node.layers.chain(layer))
+        self._upper, self._live = None, None
         old, self._resume_image = self._resume_image, image
-        if old is not None and old != image and not self._image_shared(old):
+        if old is not None and old != image and old.parent == self.workdir:
+            # only its own: a snapshot's or a fork parent's image is not this sandbox's
             await trio.to_thread.run_sync(shutil.rmtree, old, True)
         self.lifecycle.step(lc.Paused(trio.current_time()))
         self.paused_at = time.time()
-        if self._fork is not None:
-            fork, fork_req, self.pause_mode = self._fork
-            self._fork = None
-            assert image is not None
-            self._shared_images.add(image)
-            # the source resumes at once (keeping its ID and TTL); the children
-            # restore the same image over the same layers, each on its own
-            # the source's expiry stays where it was: the capture is not paused time
-            self._keep_deadline = now + (self.lifecycle.remaining or 0.0)
-            self.running_again = trio.Event()
-            self.lifecycle.step(lc.Resume(trio.current_time(), None))
-            if isinstance(fork, Fork):
-                self._log(f"captured for a fork of {fork.count}")
-                self.node.spawn_forks(self, image, fork, fork_req)
-            else:
-                self._log("captured for a snapshot")
-                self.node.spawn_snapshot(self, image, fork, fork_req)
-            return True
         # recorded before anyone hears "paused": a crash after the answer keeps it
         await self._persist_paused()
         self._log(f"paused ({self.pause_mode}), {self.stack.depth} layers")
@@ -572,6 +550,72 @@ class SandboxActor:
             req.reply(None)
         self._pausers.clear()
         return True
+
+    async def _capture_live(self, msg: Fork | Snapshot, req: Request[Msg]) -> None:
+        """Snapshot or fork the sandbox without stopping it.
+
+        The sandbox is held (its processes stopped, the runtime answering)
+        while the runtime writes its memory image, leaving it running, and
+        storage copies what its upper changed since the previous capture into
+        a new layer; then it runs on, with its ID, network, connections and
+        expiry. The children (or the snapshot) get that image over that layer.
+        """
+        assert self._running is not None and self._upper is not None
+        memory = isinstance(msg, Fork) or msg.memory
+        t0 = time.perf_counter()
+        image: Path | None = None
+        try:
+            if memory:
+                await self._drop_idle_connections()
+                self._captures += 1
+                image = self.workdir / f"image{self._captures}"
+            async with self._running.held():
+                if image is not None:
+                    tmp = image.with_suffix(".tmp")
+                    await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
+                    tmp.mkdir(parents=True)
+                    await self._running.checkpoint(tmp, leave_running=True)
+                    tmp.rename(image)
+                captured = await self.node.layers.capture(
+                    self._upper, below=self.stack, since=self._live
+                )
+            stack = await self.node.layers.limit_depth(captured.stack)
+            self._live = Captured(stack, captured.entries, captured.copied_bytes)
+        except Exception as exc:
+            self._log(f"capture failed, still running: {exc!r}", level="error")
+            if image is not None:
+                await trio.to_thread.run_sync(shutil.rmtree, image, True)
+                await trio.to_thread.run_sync(shutil.rmtree, image.with_suffix(".tmp"), True)
+            req.fail(PauseError(f"capturing the sandbox failed: {exc}"))
+            return
+        took = f"{1000 * (time.perf_counter() - t0):.0f} ms"
+        self._log(
+            f"captured for {'a fork of ' + str(msg.count) if isinstance(msg, Fork) else 'a snapshot'}"
+            f" in {took}: {captured.copied_bytes} bytes of files copied, {stack.depth} layers"
+        )
+        if isinstance(msg, Fork):
+            assert image is not None
+            self.node.spawn_forks(self, image, stack, msg, req)
+        else:
+            self.node.spawn_snapshot(self, image, stack, msg, req)
+
+    async def _drop_idle_connections(self) -> None:
+        """Close the node's connections into the sandbox before a memory image is taken.
+
+        A restored image must hold no connection to the node (envd does not
+        survive restoring them); requests after this open new ones.
+        """
+        if self.http is not None and self._period_stack is not None:
+            await self.http.aclose()
+            await trio.sleep(_CLOSE_GRACE_S)  # let envd see the FINs
+            self.http = await self._period_stack.enter_async_context(_http_client())
+
+    def layer_ids(self) -> set[str]:
+        """Layers this sandbox stands on or captured last (garbage collection keeps them)."""
+        live = set(self.stack.ids())
+        if self._live is not None:
+            live.update(self._live.stack.ids())
+        return live
 
     # -- surviving a node restart ---------------------------------------------
 
@@ -676,9 +720,6 @@ class SandboxActor:
         actor.on_disk = True
         return actor
 
-    def _image_shared(self, image: Path) -> bool:
-        return image in self._shared_images
-
     async def _serve_paused(self) -> bool:
         """Wait, paused, for resume (True) or kill (False). No TTL runs while paused."""
         while self.lifecycle.state is lc.State.PAUSED:
@@ -711,9 +752,9 @@ class SandboxActor:
 
     @classmethod
     def fork_of(
-        cls, parent: SandboxActor, sandbox_id: str, image: Path, timeout_s: int
+        cls, parent: SandboxActor, sandbox_id: str, image: Path, stack: LayerStack, timeout_s: int
     ) -> SandboxActor:
-        """A child that starts from `parent`'s captured image and layers."""
+        """A child that starts from `parent`'s capture: `image` over `stack`."""
         req = NewSandbox(
             template=parent.template.template_id,
             timeout_s=timeout_s,
@@ -729,7 +770,7 @@ class SandboxActor:
             memory_mb=parent.memory_mb,
         )
         child = cls(parent.node, sandbox_id, parent.template, req)
-        child.stack = parent.stack
+        child.stack = stack
         child._resume_image = image
         child._prior_token = parent.envd_access_token
         return child
@@ -836,12 +877,9 @@ class SandboxActor:
                     self._hibernate_now = True
                     req.reply(None)
                 case Fork() | Snapshot():
-                    if self.lifecycle.state is not lc.State.RUNNING:
+                    if self.lifecycle.state is not lc.State.RUNNING or self._running is None:
                         raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
-                    # captured once like a full pause, then resumed at once
-                    self._fork = (msg, req, self.pause_mode)
-                    self.pause_mode = "full"
-                    self.lifecycle.step(lc.Pause(trio.current_time()))
+                    await self._capture_live(msg, req)
                 case PoolFreeze():
                     if self.pooled and self._running is not None and not self._frozen:
                         await self._running.freeze()

@@ -10,7 +10,9 @@ state directories), also on cancellation.
 Memory snapshots go through the same interface: `RunningSandbox.checkpoint`
 writes the sandbox's memory and kernel state into an image directory
 (stopping it, or leaving it running), `freeze`/`thaw` stop and restart its
-vCPUs without giving up its memory, and `Runtime.open_restored` starts a new
+vCPUs without giving up its memory, `held` stops the guest while the
+runtime still answers (a snapshot or fork checkpoints a held sandbox and
+copies its changed files, then lets it go on), and `Runtime.open_restored` starts a new
 sandbox from such an image with a spec of its own (sandbox id, netns, root
 filesystem, working directory). Restoring one image several times is fork.
 The root filesystem a restored sandbox is given must show the same files as
@@ -86,6 +88,17 @@ class RunningSandbox(Protocol):
 
     async def freeze(self) -> None:
         """Stop every process of the sandbox (no CPU used, memory kept)."""
+        ...
+
+    def held(self) -> AbstractAsyncContextManager[None]:
+        """The sandbox's processes stopped for the block, its runtime still answering.
+
+        For a consistent live capture: inside the block nothing in the guest
+        writes to memory or files, `checkpoint(leave_running=True)` works and
+        leaves the sandbox held, and leaving the block lets it run again
+        (also on error or cancellation). Unlike `freeze`, which may stop the
+        runtime itself, a held sandbox can still be checkpointed.
+        """
         ...
 
     async def thaw(self) -> None:

@@ -165,6 +165,22 @@ class GVisorSandbox:
         if not await trio.to_thread.run_sync(self._cgroups.set_frozen, False):
             await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id)
 
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """`runsc pause` for the block, `runsc resume` after; see `RunningSandbox.held`.
+
+        The sentry stops the guest's tasks but keeps serving control calls, so
+        `runsc checkpoint --leave-running` works and leaves it paused (the
+        cgroup freezer would stop the sentry too).
+        """
+        rt = self._runtime
+        await rt._runsc_logged(_PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id)
+        try:
+            yield
+        finally:
+            with trio.CancelScope(shield=True):
+                await rt._runsc_logged(_PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id)
+
     def _usage_sync(self) -> Usage:
         now = time.monotonic()
         cpu_ns = self._cgroups.cpu_usage_ns()

@@ -182,10 +182,10 @@ def test_a_snapshot_restores_on_a_node_that_never_saw_it(nodes: Nodes) -> None:
     nodes.start("a")
     src = _sandbox_with_state()
     blob_sum = src.commands.run("md5sum /tmp/data/blob").stdout.split()[0]
+    before = count(src)  # the source runs on after its snapshot: count first
     info = nodes.snapshot(src.sandbox_id, name="dur-a", durable=True)
     assert info["storage"] == "durable"  # it waited
     sid = info["snapshotID"]
-    before = count(src)
     src.kill()
     nodes.stop()
 
