@@ -87,3 +87,43 @@ def test_corrupt_snapshot_is_refused(node: NodeProc) -> None:
     with pytest.raises(SandboxException, match="checksum"):
         Sandbox.create(info.snapshot_id)
     assert Sandbox.delete_snapshot(info.snapshot_id)
+
+
+def test_pausing_a_sandbox_keeps_the_snapshot_it_came_from(node: NodeProc) -> None:
+    """A sandbox restored from a snapshot (or a template) writes its own image
+    or layer when it pauses; the image it came from stays whole."""
+    src = Sandbox.create("base")
+    made: list[Sandbox] = []
+    info = None
+    try:
+        src.files.write("/home/user/origin.txt", "origin")
+        info = src.create_snapshot()
+        for ref in (info.snapshot_id, "base"):
+            s = Sandbox.create(ref)
+            made.append(s)
+            images = _snapshot_images(node.home)
+            s.pause(mode="filesystem")  # writes to disk at once
+            # (the node would fetch a lost image back from its object store:
+            # look at its files, not only at the next create)
+            assert _snapshot_images(node.home) == images
+            again = Sandbox.create(ref)
+            made.append(again)
+            assert again.commands.run("true").exit_code == 0
+            if ref == info.snapshot_id:
+                assert again.files.read("/home/user/origin.txt") == "origin"
+            resumed = Sandbox.connect(s.sandbox_id)
+            assert resumed.commands.run("true").exit_code == 0
+    finally:
+        for s in made:
+            Sandbox.kill(s.sandbox_id)
+        Sandbox.kill(src.sandbox_id)
+        if info is not None:
+            Sandbox.delete_snapshot(info.snapshot_id)
+
+
+def _snapshot_images(home: Path) -> dict[str, int]:
+    """Every file of every snapshot image on the node, with its size."""
+    return {
+        str(f.relative_to(home)): f.stat().st_size
+        for f in sorted((home / "snapshots").glob("*/image/*"))
+    }
