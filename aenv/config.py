@@ -46,6 +46,9 @@ class Config:
     # A full pause freezes the sandbox in memory; after this long paused it is
     # written to disk and its memory released (AENV_HIBERNATE_AFTER, seconds).
     hibernate_after_s: float = 60.0
+    # ... or at once, longest paused first, while the host's available memory
+    # is below this percentage of its total (AENV_HIBERNATE_MEMORY_LOW; 0: never).
+    hibernate_memory_low_pct: float = 10.0
     # Restored sandboxes kept ready per recently used template (0: no pool).
     pool_size: int = 2
     # Byte bound on the local chunk cache of image contents (AENV_CACHE_MAX_BYTES).
@@ -143,6 +146,11 @@ class Config:
             )
         if env.get("AENV_HIBERNATE_AFTER"):
             kw["hibernate_after_s"] = float(env["AENV_HIBERNATE_AFTER"])
+        if env.get("AENV_HIBERNATE_MEMORY_LOW"):
+            pct = float(env["AENV_HIBERNATE_MEMORY_LOW"].rstrip("%"))
+            if not 0 <= pct <= 100:
+                raise ValueError(f"AENV_HIBERNATE_MEMORY_LOW must be 0..100 (percent), not {pct:g}")
+            kw["hibernate_memory_low_pct"] = pct
         if env.get("AENV_POOL_SIZE"):
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
         if env.get("AENV_STORE_URL"):

@@ -61,8 +61,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from aenv.config import Config  # noqa: E402
-from aenv.runtimes.base import SandboxSpec  # noqa: E402
+from aenv.runtimes.base import ENVD_PORT, SandboxSpec  # noqa: E402
 from aenv.runtimes.gvisor import oci_config  # noqa: E402
+from aenv.storage.bundle import envd_command  # noqa: E402
 from tests.conftest import NodeProc, leaks, link_home, start_node, stop_node  # noqa: E402
 
 # The nodes' netns prefix, slot range and tag (unique on this machine: other
@@ -92,6 +93,8 @@ RESULTS = REPO / "bench" / "results"
 # (label, aenv key, floor key, target): target is a p50 bound in ms, or the
 # string "1.3x" (within 1.3x the floor's p50), or None.
 Row = tuple[str, str | None, str | None, float | str | None]
+# Floor keys measured on the sandbox aenv runs (template rootfs, envd as init)
+ENVD = "_envd"
 ROWS: tuple[Row, ...] = (
     ("create (boot) -> first command", "create_boot", "create_to_first_command", "1.3x"),
     ("  of which Sandbox.create", "create_boot_only", None, None),
@@ -103,22 +106,28 @@ ROWS: tuple[Row, ...] = (
     ('commands.run("true")', "command_roundtrip", "command_roundtrip", None),
     ("files.write 1 MiB", "file_write_1mib", "file_write_1mib", None),
     ("files.read 1 MiB", "file_read_1mib", "file_read_1mib", None),
-    ("pause (full: frozen in memory)", "pause", "checkpoint", 100.0),
+    ("pause (full: frozen in memory)", "pause", "checkpoint" + ENVD, 100.0),
     ("resume (from frozen): connect", "resume_only", None, 50.0),
     ("resume (from frozen) -> first cmd", "resume", None, None),
-    ("hibernate (frozen -> on disk)", "hibernate", "checkpoint", "1.3x"),
-    ("resume (from disk): connect", "resume_disk_only", "restore", "1.3x"),
-    ("resume (from disk) -> first cmd", "resume_disk", "restore_to_first_command", "1.3x"),
-    ("fork(count=1)", "fork_1", "fork_1", "1.3x"),
-    ("fork(count=4)", "fork_4", "fork_4", "1.3x"),
-    ("create_snapshot", "snapshot", "checkpoint_leave_running", "1.3x"),
+    ("hibernate (frozen -> on disk)", "hibernate", "checkpoint" + ENVD, "1.3x"),
+    ("resume (from disk): connect", "resume_disk_only", "restore" + ENVD, "1.3x"),
+    ("resume (from disk) -> first cmd", "resume_disk", "restore_to_first_command" + ENVD,
+     "1.3x"),
+    ("fork(count=1)", "fork_1", "fork_1" + ENVD, "1.3x"),
+    ("fork(count=4)", "fork_4", "fork_4" + ENVD, "1.3x"),
+    ("create_snapshot", "snapshot", "checkpoint_leave_running" + ENVD, "1.3x"),
+    ("busybox floor: runsc checkpoint", None, "checkpoint", None),
+    ("busybox floor: runsc restore", None, "restore", None),
+    ("busybox floor: checkpoint --leave-running", None, "checkpoint_leave_running", None),
+    ("busybox floor: fork(count=1)", None, "fork_1", None),
+    ("busybox floor: fork(count=4)", None, "fork_4", None),
 )  # fmt: skip
 AENV_KEYS = (
     *dict.fromkeys(r[1] for r in ROWS if r[1]),
     "capture_layer_bytes",
     "capture_image_bytes",
 )
-FLOOR_KEYS = (*dict.fromkeys(r[2] for r in ROWS if r[2]), "image_bytes")
+FLOOR_KEYS = (*dict.fromkeys(r[2] for r in ROWS if r[2]), "image_bytes", "image_bytes" + ENVD)
 
 
 class Interrupted(BaseException):
@@ -548,6 +557,11 @@ FORK_NETS = tuple(
 )
 
 
+# A floor sandbox's init process: argv and environment.
+Init = tuple[tuple[str, ...], dict[str, str]]
+SLEEP: Init = (("/bin/sleep", "3600"), {})
+
+
 @dataclass
 class Floor:
     """runsc set up as aenv's gVisor driver does it, with nothing of aenv running."""
@@ -580,7 +594,12 @@ class Floor:
         return ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script]
 
     def bundle(
-        self, cid: str, argv: tuple[str, ...], rootfs: Path, net: FloorNet = MAIN_NET
+        self,
+        cid: str,
+        argv: tuple[str, ...],
+        rootfs: Path,
+        net: FloorNet = MAIN_NET,
+        env: dict[str, str] | None = None,
     ) -> Path:
         bundle_dir = self.workdir / "bundles" / cid
         bundle_dir.mkdir(parents=True)
@@ -595,6 +614,7 @@ class Floor:
             workdir=bundle_dir,
             log_path=bundle_dir / "console.log",
             init_argv=argv,
+            init_env=env or {},
         )
         config = oci_config(spec, cgroups_path=f"/{FLOOR_CGROUP}/{cid}")
         (bundle_dir / "config.json").write_text(json.dumps(config, indent=1))
@@ -617,8 +637,8 @@ class Floor:
             tail = (bundle_dir / "console.log").read_text(errors="replace")[-1500:]
             raise RuntimeError(f"runsc run {cid} exited {proc.returncode}: {tail}")
 
-    def start_detached(self, cid: str, rootfs: Path) -> None:
-        bundle_dir = self.bundle(cid, ("/bin/sleep", "3600"), rootfs)
+    def start_detached(self, cid: str, rootfs: Path, init: Init = SLEEP) -> None:
+        bundle_dir = self.bundle(cid, init[0], rootfs, env=init[1])
         self.containers.add(cid)
         with (bundle_dir / "console.log").open("ab") as log:
             start = self.command(
@@ -638,10 +658,10 @@ class Floor:
         run(self.in_private_netfs(self.command(*args, cid)))
 
     def prepare_restore(
-        self, cid: str, rootfs: Path, image_dir: Path, net: FloorNet
+        self, cid: str, rootfs: Path, image_dir: Path, net: FloorNet, init: Init = SLEEP
     ) -> tuple[list[str], Path]:
         """The bundle (same rootfs) and command of a `runsc restore --detach` into `net`."""
-        bundle_dir = self.bundle(cid, ("/bin/sleep", "3600"), rootfs, net)
+        bundle_dir = self.bundle(cid, init[0], rootfs, net, env=init[1])
         self.reset_guest_address(net)
         cmd = self.command(
             "restore", "--image-path", str(image_dir), "--detach", "--bundle", str(bundle_dir),
@@ -741,9 +761,25 @@ def floor_rootfs(home: Path, dest: Path) -> Path:
     return dest
 
 
-def bench_floor(home: Path, n: int, workdir: Path, config: Config) -> dict[str, Series]:
+@contextlib.contextmanager
+def envd_rootfs(home: Path, template: str, work: Path) -> Iterator[Path]:
+    """The template's root filesystem under a fresh writable overlay, as aenv mounts it."""
+    lower = home / "templates" / template / "rootfs"
+    for d in ("upper", "work", "merged"):
+        (work / d).mkdir(parents=True)
+    opts = f"lowerdir={lower},upperdir={work / 'upper'},workdir={work / 'work'}"
+    run(["mount", "-t", "overlay", "overlay", "-o", opts, str(work / "merged")])
+    try:
+        yield work / "merged"
+    finally:
+        run(["umount", "-l", str(work / "merged")], check=False)
+
+
+def bench_floor(
+    home: Path, n: int, workdir: Path, config: Config, template: str = "base"
+) -> dict[str, Series]:
     results = {key: Series() for key in FLOOR_KEYS}
-    results["image_bytes"].unit = "bytes"
+    results["image_bytes"].unit = results["image_bytes" + ENVD].unit = "bytes"
     flags = run([config.runsc_binary, "flags"], check=False, timeout=30)
     knows = b"-net-disconnect-ok" in flags.stdout + flags.stderr
     floor = Floor(
@@ -776,9 +812,17 @@ def bench_floor(home: Path, n: int, workdir: Path, config: Config) -> dict[str, 
             except Exception as e:
                 _fail(results, ("command_roundtrip", "file_write_1mib", "file_read_1mib"), e)
             try:
-                _floor_checkpoints(floor, home, workdir, tag, n, results)
+                rootfs = floor_rootfs(home, workdir / "rootfs" / f"aenvbench-ckpt-{tag}")
+                _floor_checkpoints(floor, rootfs, workdir, tag, n, results)
             except Exception as e:
-                _fail(results, FLOOR_KEYS, e)
+                _fail(results, tuple(k for k in FLOOR_KEYS if not k.endswith(ENVD)), e)
+            try:
+                with envd_rootfs(home, template, workdir / "envd-root") as rootfs:
+                    init = envd_command(ENVD_PORT)
+                    _floor_checkpoints(floor, rootfs, workdir, tag, n, results,
+                                       init=(init[0], dict(init[1])), suffix=ENVD)  # fmt: skip
+            except Exception as e:
+                _fail(results, tuple(k for k in FLOOR_KEYS if k.endswith(ENVD)), e)
     finally:
         floor.cleanup()
     return results
@@ -808,34 +852,47 @@ def _floor_exec_ops(
 
 
 def _floor_checkpoints(
-    floor: Floor, home: Path, workdir: Path, tag: str, n: int, results: dict[str, Series]
+    floor: Floor,
+    rootfs: Path,
+    workdir: Path,
+    tag: str,
+    n: int,
+    results: dict[str, Series],
+    *,
+    init: Init = SLEEP,
+    suffix: str = "",
 ) -> None:
-    """checkpoint/restore of one busybox sandbox, over and over (as aenv's pause/resume);
-    then checkpoint --leave-running (a snapshot) and that + k concurrent restores (a fork)."""
-    rootfs = floor_rootfs(home, workdir / "rootfs" / f"aenvbench-ckpt-{tag}")
-    images = workdir / "images"
+    """checkpoint/restore of one sandbox, over and over (as aenv's pause/resume);
+    then checkpoint --leave-running (a snapshot) and that + k concurrent restores (a fork).
+
+    Busybox running sleep (keys as they are), or the sandbox aenv runs (the
+    template's root filesystem with envd as init; keys + `suffix`)."""
+    images = workdir / f"images{suffix}"
+    tag = f"{tag}{suffix.replace('_', '-')}"
     cid = f"aenvbench-ckpt-{tag}-0"
     floor.reset_guest_address()
-    floor.start_detached(cid, rootfs)
+    floor.start_detached(cid, rootfs, init)
     floor.exec(cid, "/bin/sh", "-c", "echo 1 > /tmp/state")
     for i in range(n):
         image = images / f"pause-{i}"
         image.mkdir(parents=True)
         t0 = time.perf_counter()
         floor.checkpoint(cid, image)
-        results["checkpoint"].samples.append((time.perf_counter() - t0) * 1000)
-        results["image_bytes"].samples.append(disk_bytes(image))
+        results["checkpoint" + suffix].samples.append((time.perf_counter() - t0) * 1000)
+        results["image_bytes" + suffix].samples.append(disk_bytes(image))
         floor.delete(cid)
         # a fresh container ID from the image, the same root filesystem, a netns
         # no sandbox holds (aenv restores into a new slot)
         cid = f"aenvbench-ckpt-{tag}-{i + 1}"
-        cmd, bundle_dir = floor.prepare_restore(cid, rootfs, image, MAIN_NET)
+        cmd, bundle_dir = floor.prepare_restore(cid, rootfs, image, MAIN_NET, init)
         t0 = time.perf_counter()
         floor.restore_all([(cid, cmd, bundle_dir)])
         restored = time.perf_counter() - t0
         floor.exec(cid, "/bin/true")
-        results["restore"].samples.append(restored * 1000)
-        results["restore_to_first_command"].samples.append((time.perf_counter() - t0) * 1000)
+        results["restore" + suffix].samples.append(restored * 1000)
+        results["restore_to_first_command" + suffix].samples.append(
+            (time.perf_counter() - t0) * 1000
+        )
         if floor.exec(cid, "/bin/cat", "/tmp/state").strip() != b"1":
             raise AssertionError("the restored sandbox lost its file")
         shutil.rmtree(image)
@@ -845,7 +902,9 @@ def _floor_checkpoints(
         image.mkdir(parents=True)
         t0 = time.perf_counter()
         floor.checkpoint(cid, image, leave_running=True)
-        results["checkpoint_leave_running"].samples.append((time.perf_counter() - t0) * 1000)
+        results["checkpoint_leave_running" + suffix].samples.append(
+            (time.perf_counter() - t0) * 1000
+        )
         floor.exec(cid, "/bin/true")
         shutil.rmtree(image)
 
@@ -856,11 +915,11 @@ def _floor_checkpoints(
             children = []
             for j, net in enumerate(FORK_NETS[:count]):
                 child = f"aenvbench-fork-{tag}-{count}-{i}-{j}"
-                children.append((child, *floor.prepare_restore(child, rootfs, image, net)))
+                children.append((child, *floor.prepare_restore(child, rootfs, image, net, init)))
             t0 = time.perf_counter()
             floor.checkpoint(cid, image, leave_running=True)
             floor.restore_all(children)
-            results[f"fork_{count}"].samples.append((time.perf_counter() - t0) * 1000)
+            results[f"fork_{count}{suffix}"].samples.append((time.perf_counter() - t0) * 1000)
             for child, _, _ in children:
                 floor.exec(child, "/bin/true")
                 floor.delete(child)
@@ -923,7 +982,9 @@ def table(aenv: dict[str, Series] | None, floor: dict[str, Series] | None) -> st
                      ratio, *verdict(target, a, f)))  # fmt: skip
     lines = _grid(rows)
     lines.append(
-        "(milliseconds; floor = runsc alone, busybox rootfs; fork floor = checkpoint "
+        "(milliseconds; floor = runsc alone: create, commands and files on a busybox rootfs; "
+        "pause, resume, fork and snapshot on the same sandbox aenv runs (the template's "
+        "rootfs with envd as init), busybox rows for reference; fork floor = checkpoint "
         "--leave-running + concurrent restores; pause freezes in memory, hibernate writes "
         "to disk)"
     )
@@ -932,6 +993,7 @@ def table(aenv: dict[str, Series] | None, floor: dict[str, Series] | None) -> st
     for label, side, key in (
         ("aenv pause after 1 MiB changed: new layer", aenv, "capture_layer_bytes"),
         ("aenv pause after 1 MiB changed: memory image", aenv, "capture_image_bytes"),
+        ("floor runsc checkpoint (same sandbox): image", floor, "image_bytes" + ENVD),
         ("floor runsc checkpoint (busybox): image", floor, "image_bytes"),
     ):
         s = side.get(key) if side else None
@@ -996,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.skip_floor:
             print(f"floor: runsc ({config.runsc_platform}), n={args.n} ...", flush=True)
-            floor_res = bench_floor(home, args.n, workdir / "floor", config)
+            floor_res = bench_floor(home, args.n, workdir / "floor", config, args.template)
         if not args.skip_aenv:
             print(f"aenv: nodes + e2b SDK, template {args.template}, n={args.n} ...", flush=True)
             (workdir / "aenv").mkdir()

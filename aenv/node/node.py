@@ -10,13 +10,14 @@ synchronous code, so trio's cooperative scheduling keeps it consistent.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import logging
 import os
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from aenv.images.service import Images, open_images
 from aenv.images.store import ImageRecord
 from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
+from aenv.node import pressure
 from aenv.node.builds import Builds
 from aenv.node.durable import Durable
 from aenv.node.pool import Pool
@@ -496,9 +498,31 @@ class Node:
     async def hibernate_paused(self, *, within_s: float = 60.0) -> None:
         """Write every sandbox paused in memory to disk (before a clean shutdown),
         so it survives the restart like any other paused sandbox."""
+        await self._hibernate([a for a in self._sandboxes.values() if a.frozen_pause], within_s)
+
+    async def frozen_sandboxes(self) -> Sequence[pressure.Frozen]:
+        """The sandboxes paused in memory, with the memory each holds (for `pressure`)."""
+        from aenv.node.sandbox import GetUsage
+
+        found: builtins.list[pressure.Frozen] = []
+        for actor in [a for a in self._sandboxes.values() if a.frozen_pause]:
+            try:
+                usage = await actor.mailbox.ask(GetUsage(), timeout=10)
+            except Exception:
+                continue  # resumed or gone meanwhile
+            found.append(
+                pressure.Frozen(actor.sandbox_id, actor.paused_at or 0.0, usage.mem_used_bytes)
+            )
+        return found
+
+    async def hibernate_these(self, sandbox_ids: Sequence[str]) -> None:
+        """Write these sandboxes, if still paused in memory, to disk; wait for it."""
+        chosen = [self._sandboxes.get(i) for i in sandbox_ids]
+        await self._hibernate([a for a in chosen if a is not None and a.frozen_pause], 60.0)
+
+    async def _hibernate(self, frozen: Sequence[SandboxActor], within_s: float) -> None:
         from aenv.node.sandbox import Hibernate
 
-        frozen = [a for a in self._sandboxes.values() if a.frozen_pause]
         if not frozen:
             return
         log.info("writing %d paused sandboxes to disk", len(frozen))
@@ -558,6 +582,13 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         await node.recover_paused()
         await node.durable.resume()  # unfinished snapshot uploads
         images.attach_store(node.durable.store)  # image layers shared via the store
+        if config.hibernate_memory_low_pct > 0:
+            nursery.start_soon(
+                pressure.watch,
+                config.hibernate_memory_low_pct,
+                node.frozen_sandboxes,
+                node.hibernate_these,
+            )
         try:
             yield node
         finally:

@@ -2,13 +2,17 @@
 
 A sandbox's root is a host overlay of one writable upper directory over a
 `LayerStack`: store layers (earlier frozen uppers, topmost first) over the
-base lowers that live outside the store (the template's rootfs). To pause,
-snapshot or fork a sandbox, storage freezes its upper once the sandbox is
-checkpointed or stopped and its overlay unmounted: `LayerStore.freeze` renames
-the upper into `root/layers/<id>/tree` (no copying; a copy only when the
-store is on another filesystem), records which layers it was frozen over,
-and returns the new `Layer`; `chain` gives the stack it heads, so every child
-mounts a fresh upper over `chain(layer).lowers()`. Layers are immutable
+base lowers that live outside the store (the template's rootfs). To pause
+a sandbox, storage freezes its upper once the sandbox is checkpointed or
+stopped and its overlay unmounted: `LayerStore.freeze` renames the upper
+into `root/layers/<id>/tree` (no copying; a copy only when the store is on
+another filesystem), records which layers it was frozen over, and returns
+the new `Layer`; `chain` gives the stack it heads, so every child mounts a
+fresh upper over `chain(layer).lowers()`. To snapshot or fork a sandbox
+that keeps running, `LayerStore.capture` copies what its mounted upper
+changed since its previous capture (entries whose inode, ctime, mtime, size
+or mode differ; whiteouts for entries that went) into a new layer over
+that capture's layer, while the runtime holds the sandbox still. Layers are immutable
 once frozen (the layer directory is made read-only, mode 0555) and named by a
 random id, not by content: content addressing happens when layers are
 uploaded. `compact` flattens a stack's store layers into one layer by

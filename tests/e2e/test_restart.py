@@ -44,12 +44,15 @@ class Restartable:
 
     def __init__(self, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.home = home
+        self.env = dict(ENV)
         self.key = "k" + secrets.token_hex(8)
         self.monkeypatch = monkeypatch
         self.node: NodeProc | None = None
 
     def start(self) -> NodeProc:
-        n = start_node(self.home, api_key=self.key, log_path=self.home / "node.log", extra_env=ENV)
+        n = start_node(
+            self.home, api_key=self.key, log_path=self.home / "node.log", extra_env=self.env
+        )
         for var, value in (("E2B_API_URL", n.url), ("E2B_SANDBOX_URL", n.url)):
             self.monkeypatch.setenv(var, value)
         self.monkeypatch.setenv("E2B_API_KEY", self.key)
@@ -197,3 +200,21 @@ def test_a_crash_mid_snapshot_leaves_no_broken_snapshot(node_home: Restartable) 
             assert child.files.read("/tmp/kept.txt") == "written before the snapshot"
         finally:
             child.kill()
+
+
+def test_paused_sandboxes_go_to_disk_when_memory_runs_short(node_home: Restartable) -> None:
+    """Under memory pressure a frozen sandbox is hibernated at once, not after
+    its idle time, and resumes from disk where it stopped."""
+    r = node_home
+    # the idle time is far away; "short of memory" is every level below 100 %
+    r.env |= {"AENV_HIBERNATE_AFTER": "600", "AENV_HIBERNATE_MEMORY_LOW": "100"}
+    r.start()
+    s = Sandbox.create(TEMPLATE, timeout=300)
+    s.commands.run(COUNTER, background=True)
+    s.files.write("/tmp/kept.txt", "written before the pause")
+    counts_on(s)
+    before = count(s)
+    s.pause()
+    _on_disk(r, s.sandbox_id, within=20)
+    assert "memory available" in (r.home / "node.log").read_text()
+    _paused_then_resumes(r, s.sandbox_id, before)
