@@ -571,6 +571,7 @@ class Floor:
     runsc: str
     platform: str
     net_disconnect_ok: bool = False
+    compression: str = "none"  # of memory images, as the node's setting
     containers: set[str] = field(default_factory=set)
 
     @property
@@ -652,7 +653,7 @@ class Floor:
 
     def checkpoint(self, cid: str, image_dir: Path, *, leave_running: bool = False) -> None:
         """`runsc checkpoint` into `image_dir`, in a private mount namespace as aenv runs it."""
-        args = ["checkpoint", "--image-path", str(image_dir)]
+        args = ["checkpoint", "--image-path", str(image_dir), "--compression", self.compression]
         if leave_running:
             args.append("--leave-running")
         run(self.in_private_netfs(self.command(*args, cid)))
@@ -788,6 +789,7 @@ def bench_floor(
         runsc=config.runsc_binary,
         platform=config.runsc_platform,
         net_disconnect_ok=knows,
+        compression=config.checkpoint_compression,
     )
     tag = secrets.token_hex(3)
     try:

@@ -550,6 +550,7 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
     runtime = GVisorRuntime(
         runsc=config.runsc_binary,
         platform=config.runsc_platform,
+        compression=config.checkpoint_compression,
         state_root=config.run_dir / "runsc",
         cgroup_parent=config.net_prefix,
     )

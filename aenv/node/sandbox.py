@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
+from aenv.kit import tcpstate
 from aenv.kit.files import fsync_tree
 from aenv.kit.mailbox import Mailbox, Request
 from aenv.proto import lifecycle as lc
@@ -46,7 +47,8 @@ ENVD_READY_TIMEOUT_S = 60.0
 LOG_LINES = 1000
 # control calls to envd leave no idle connection behind (a checkpoint would hold it)
 _CLOSE = {"Connection": "close"}
-_CLOSE_GRACE_S = 0.05
+# how long envd gets to close its side of the node's connections before a checkpoint
+_CLOSE_WAIT_S = 1.0
 
 
 def _http_client() -> httpx.AsyncClient:
@@ -512,9 +514,7 @@ class SandboxActor:
         now = trio.current_time()
         image: Path | None = None
         try:
-            if self.http is not None:
-                await self.http.aclose()  # no idle connection may be checkpointed
-                await trio.sleep(_CLOSE_GRACE_S)  # let envd see the FINs
+            await self._close_connections(reopen=False)
             if self.pause_mode == "full":
                 self._captures += 1
                 image = self.workdir / f"image{self._captures}"
@@ -566,9 +566,10 @@ class SandboxActor:
         image: Path | None = None
         try:
             if memory:
-                await self._drop_idle_connections()
+                await self._close_connections(reopen=True)
                 self._captures += 1
                 image = self.workdir / f"image{self._captures}"
+            held_at = time.perf_counter()
             async with self._running.held():
                 if image is not None:
                     tmp = image.with_suffix(".tmp")
@@ -579,6 +580,7 @@ class SandboxActor:
                 captured = await self.node.layers.capture(
                     self._upper, below=self.stack, since=self._live
                 )
+            held_ms = 1000 * (time.perf_counter() - held_at)
             stack = await self.node.layers.limit_depth(captured.stack)
             self._live = Captured(stack, captured.entries, captured.copied_bytes)
         except Exception as exc:
@@ -588,10 +590,11 @@ class SandboxActor:
                 await trio.to_thread.run_sync(shutil.rmtree, image.with_suffix(".tmp"), True)
             req.fail(PauseError(f"capturing the sandbox failed: {exc}"))
             return
-        took = f"{1000 * (time.perf_counter() - t0):.0f} ms"
+        what = f"a fork of {msg.count}" if isinstance(msg, Fork) else "a snapshot"
         self._log(
-            f"captured for {'a fork of ' + str(msg.count) if isinstance(msg, Fork) else 'a snapshot'}"
-            f" in {took}: {captured.copied_bytes} bytes of files copied, {stack.depth} layers"
+            f"captured for {what} in {1000 * (time.perf_counter() - t0):.0f} ms (held "
+            f"{held_ms:.0f} ms): {captured.copied_bytes} bytes of files copied, "
+            f"{stack.depth} layers"
         )
         if isinstance(msg, Fork):
             assert image is not None
@@ -599,15 +602,22 @@ class SandboxActor:
         else:
             self.node.spawn_snapshot(self, image, stack, msg, req)
 
-    async def _drop_idle_connections(self) -> None:
+    async def _close_connections(self, *, reopen: bool) -> None:
         """Close the node's connections into the sandbox before a memory image is taken.
 
         A restored image must hold no connection to the node (envd does not
-        survive restoring them); requests after this open new ones.
+        survive restoring them): returns once envd has closed its side of
+        each (the host's TCP table shows it), or after a bound. With `reopen`
+        (the sandbox runs on), later requests get a new client.
         """
-        if self.http is not None and self._period_stack is not None:
-            await self.http.aclose()
-            await trio.sleep(_CLOSE_GRACE_S)  # let envd see the FINs
+        if self.http is None:
+            return
+        await self.http.aclose()
+        if self.sandbox_ip is not None and not await tcpstate.wait_closed(
+            self.sandbox_ip, within_s=_CLOSE_WAIT_S
+        ):
+            self._log("envd kept a connection open; capturing anyway", level="warn")
+        if reopen and self._period_stack is not None:
             self.http = await self._period_stack.enter_async_context(_http_client())
 
     def layer_ids(self) -> set[str]:

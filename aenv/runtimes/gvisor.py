@@ -140,6 +140,7 @@ class GVisorSandbox:
         )
         try:
             args = ["checkpoint", "--image-path", str(image_dir)]
+            args += ["--compression", rt.compression]
             if leave_running:
                 args.append("--leave-running")
             await rt._runsc_logged(_CHECKPOINT_TIMEOUT, self.spec, *args, sandbox_id)
@@ -209,8 +210,12 @@ class GVisorRuntime:
         state_root: Path,
         cgroup_parent: str = "aenv",
         net_disconnect_ok: bool | None = None,
+        compression: str = "none",
     ) -> None:
         self.runsc = runsc
+        # of memory images: "none" checkpoints and restores 2-3x faster here
+        # than runsc's default "flate-best-speed", for images about 4x larger
+        self.compression = compression
         self.platform = platform
         self.state_root = Path(state_root)
         self.cgroup_parent = cgroup_parent.strip("/")

@@ -222,8 +222,11 @@ class LayerStore:
         try:
             diff = _UpperDiff(upper, tree, since.entries if since is not None else {})
             diff.run()
-            _syncfs(tree)
             over = since.stack if since is not None else below
+            if not diff.changed:  # the stack it was captured over is the capture
+                _rmtree(staging)
+                return Captured(stack=over, entries=diff.entries, copied_bytes=0)
+            _syncfs(tree)
             layer = self._publish(layer_id, staging, below=over.ids(), base=over.base,
                                   moved_from=None)  # fmt: skip
         except BaseException:
@@ -586,20 +589,25 @@ class _UpperDiff:
         self.copied = 0
         self.newest_ctime_ns = 0
         self._links: _Links = {}
+        # whether the tree holds anything (else the capture needs no new layer)
+        self.changed = False
         self._same_dirs: set[str] = {""}
         self._made: set[str] = {""}
 
     def run(self) -> None:
         self.tree.mkdir()
         st = os.lstat(self.upper)
-        self._note(st)
+        root = self.entries[""] = self._note(st)
         self._walk(self.upper, "", copy_all=not self.prev)
         for rel in sorted(self.prev.keys() - self.entries.keys()):
             parent = os.path.dirname(rel)
             if parent in self._same_dirs:
                 self._ensure_dir(parent)
                 _make_whiteout(self.tree / rel)
+                self.changed = True
         _copy_meta(self.upper, self.tree, st)
+        if self.prev.get("", root) != root:
+            self.changed = True
 
     def _note(self, st: os.stat_result) -> EntryKey:
         self.newest_ctime_ns = max(self.newest_ctime_ns, st.st_ctime_ns)
@@ -619,6 +627,7 @@ class _UpperDiff:
                     d = self.tree / r
                     self._ensure_dir(rel)
                     os.mkdir(d, 0o700)
+                    self.changed = True
                     self._made.add(r)
                     self._walk(s, r, copy_all=True)
                     if _is_opaque(s) or (not copy_all and old is not None):
@@ -632,6 +641,7 @@ class _UpperDiff:
             elif copy_all or key != old:
                 self._ensure_dir(rel)
                 _copy_node(s, self.tree / r, st, self._links)
+                self.changed = True
                 if stat.S_ISREG(st.st_mode):
                     self.copied += st.st_size
 
@@ -643,6 +653,7 @@ class _UpperDiff:
         d = self.tree / rel
         os.mkdir(d, 0o700)
         self._made.add(rel)
+        self.changed = True
         _copy_meta(self.upper / rel, d, os.lstat(self.upper / rel))
 
 

@@ -405,3 +405,23 @@ async def test_compaction_writes_no_whiteout_where_the_base_has_nothing(tmp_path
         assert os.listdir(b / "new") == ["g"]
         assert not (b / "etc" / "os").exists()  # the base's file stays hidden
         assert observe(b) == observe(a)
+
+
+async def test_a_capture_with_nothing_changed_adds_no_layer(tmp_path: Path) -> None:
+    base = make_base(tmp_path / "base")
+    store = LayerStore(tmp_path / "store")
+    below = LayerStack.of_base([base])
+    work = tmp_path / "sbx"
+    async with open_writable_root(below.lowers(), work) as root:
+        first = await store.capture(work / "upper", below=below)
+        assert first.stack == below and store.ids() == set()  # nothing written yet
+        (root / "etc" / "os").write_text("changed")
+        second = await store.capture(work / "upper", below=below, since=first)
+        assert second.stack.depth == 1
+        third = await store.capture(work / "upper", below=below, since=second)
+        assert third.stack == second.stack and len(store.ids()) == 1
+        (root / "etc" / "os").unlink()
+        fourth = await store.capture(work / "upper", below=below, since=third)
+        assert fourth.stack.depth == 2
+        with mounted_view(fourth.stack.lowers(), tmp_path / "view") as v:
+            assert observe(v) == observe(root)
