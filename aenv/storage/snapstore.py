@@ -739,14 +739,30 @@ async def download_image(
 
 
 async def delete_snapshot(store: ObjectStore, snapshot_id: str, name: str | None) -> None:
-    """Remove a snapshot's manifests and its name pointer if it points here (blobs: GC)."""
+    """Remove a snapshot's manifests (its blobs go at the next GC).
+
+    If its name pointed here, the name moves to the newest other complete
+    snapshot of that name, or goes when there is none.
+    """
     await store.delete(pending_key(snapshot_id))
     await store.delete(manifest_key(snapshot_id))
-    for n in {name} - {None}:
-        assert n is not None
-        with contextlib.suppress(ObjectNotFound, ValueError, KeyError, TypeError):
-            if json.loads(await store.get(name_key(n)))["snapshotID"] == snapshot_id:
-                await store.delete(name_key(n))
+    if name is None:
+        return
+    with contextlib.suppress(ObjectNotFound, ValueError, KeyError, TypeError):
+        if json.loads(await store.get(name_key(name)))["snapshotID"] != snapshot_id:
+            return
+    newest: Manifest | None = None
+    for info in await store.list(MANIFEST_PREFIX):
+        with contextlib.suppress(ObjectNotFound, BadManifest, ValueError):
+            m = load_manifest(await store.get(info.key))
+            if m.name == name and m.snapshot_id != snapshot_id:
+                if newest is None or m.created_at > newest.created_at:
+                    newest = m
+    if newest is None:
+        await store.delete(name_key(name))
+    else:
+        body = {"snapshotID": newest.snapshot_id, "createdAt": newest.created_at}
+        await store.put(name_key(name), json.dumps(body).encode())
 
 
 @dataclass

@@ -352,3 +352,42 @@ async def test_two_collectors_at_once(backend: Backend, tmp_path: Path) -> None:
     m = await fetch_manifest(backend.store, "snap-2", by_id=True)
     assert m is not None
     assert sorted(left) == sorted(blob_key(d) for d in m.blobs)
+
+
+async def test_deleting_a_names_newest_points_the_name_at_the_one_before(
+    backend: Backend, tmp_path: Path
+) -> None:
+    upper = tmp_path / "l1" / "tree"
+    upper.mkdir(parents=True)
+    (upper / "f").write_text("f")
+    for i, sid in enumerate(("snap-old", "snap-mid", "snap-new"), start=1):
+        await upload_snapshot(
+            backend.store,
+            snapshot_id=sid,
+            record={**RECORD, "createdAt": float(i)},
+            layers=[LocalLayer(id="l1", below=(), tree=upper)],
+            image=None,
+            checksums={},
+        )
+    await upload_snapshot(  # another name: never what "demo" resolves to
+        backend.store,
+        snapshot_id="snap-other",
+        record={**RECORD, "name": "other", "names": ["other"], "createdAt": 9.0},
+        layers=[LocalLayer(id="l1", below=(), tree=upper)],
+        image=None,
+        checksums={},
+    )
+
+    async def demo() -> str | None:
+        m = await fetch_manifest(backend.store, "demo", by_id=False)
+        return None if m is None else m.snapshot_id
+
+    assert await demo() == "snap-new"
+    await delete_snapshot(backend.store, "snap-mid", "demo")  # not the newest: no change
+    assert await demo() == "snap-new"
+    await delete_snapshot(backend.store, "snap-new", "demo")
+    assert await demo() == "snap-old"
+    await delete_snapshot(backend.store, "snap-old", "demo")
+    assert await demo() is None
+    assert "names/demo" not in backend.list_keys()
+    assert await fetch_manifest(backend.store, "other", by_id=False) is not None
