@@ -755,9 +755,9 @@ async def delete_snapshot(store: ObjectStore, snapshot_id: str, name: str | None
     for info in await store.list(MANIFEST_PREFIX):
         with contextlib.suppress(ObjectNotFound, BadManifest, ValueError):
             m = load_manifest(await store.get(info.key))
-            if m.name == name and m.snapshot_id != snapshot_id:
-                if newest is None or m.created_at > newest.created_at:
-                    newest = m
+            later = newest is None or m.created_at > newest.created_at
+            if m.name == name and m.snapshot_id != snapshot_id and later:
+                newest = m
     if newest is None:
         await store.delete(name_key(name))
     else:
