@@ -564,6 +564,7 @@ class SandboxActor:
         memory = isinstance(msg, Fork) or msg.memory
         t0 = time.perf_counter()
         image: Path | None = None
+        spawned = False
         try:
             if memory:
                 await self._close_connections(reopen=True)
@@ -580,10 +581,19 @@ class SandboxActor:
                 captured = await self.node.layers.capture(
                     self._upper, below=self.stack, since=self._live
                 )
+                stack = await self.node.layers.limit_depth(captured.stack)
+                self._live = Captured(stack, captured.entries, captured.copied_bytes)
+                # the children start restoring while the source is let go
+                if isinstance(msg, Fork):
+                    assert image is not None
+                    self.node.spawn_forks(self, image, stack, msg, req)
+                else:
+                    self.node.spawn_snapshot(self, image, stack, msg, req)
+                spawned = True
             held_ms = 1000 * (time.perf_counter() - held_at)
-            stack = await self.node.layers.limit_depth(captured.stack)
-            self._live = Captured(stack, captured.entries, captured.copied_bytes)
         except Exception as exc:
+            if spawned:  # captured, but the sandbox could not be let go
+                raise
             self._log(f"capture failed, still running: {exc!r}", level="error")
             if image is not None:
                 await trio.to_thread.run_sync(shutil.rmtree, image, True)
@@ -596,11 +606,6 @@ class SandboxActor:
             f"{held_ms:.0f} ms): {captured.copied_bytes} bytes of files copied, "
             f"{stack.depth} layers"
         )
-        if isinstance(msg, Fork):
-            assert image is not None
-            self.node.spawn_forks(self, image, stack, msg, req)
-        else:
-            self.node.spawn_snapshot(self, image, stack, msg, req)
 
     async def _close_connections(self, *, reopen: bool) -> None:
         """Close the node's connections into the sandbox before a memory image is taken.
