@@ -292,7 +292,7 @@ def _processes_using(path: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _registry_fixture(tmp: Path, *, auth: bool) -> Iterator[LocalRegistry]:
+def running_registry(tmp: Path, *, auth: bool) -> Iterator[LocalRegistry]:
     if not Path(REGISTRY_BIN).exists():
         pytest.skip(f"needs {REGISTRY_BIN} (Debian package docker-registry)")
     reg = LocalRegistry(tmp, auth=auth)
@@ -308,14 +308,14 @@ def _registry_fixture(tmp: Path, *, auth: bool) -> Iterator[LocalRegistry]:
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
     """A registry without auth, shared by the session: use distinct repo names per test."""
-    with _registry_fixture(tmp_path_factory.mktemp("registry"), auth=False) as reg:
+    with running_registry(tmp_path_factory.mktemp("registry"), auth=False) as reg:
         yield reg
 
 
 @pytest.fixture(scope="session")
 def registry_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
     """A registry demanding basic auth; `.username`/`.password` are accepted."""
-    with _registry_fixture(tmp_path_factory.mktemp("registry-auth"), auth=True) as reg:
+    with running_registry(tmp_path_factory.mktemp("registry-auth"), auth=True) as reg:
         yield reg
 
 

@@ -570,6 +570,7 @@ def create_app(node: Node) -> QuartTrio:
         if any(d.get("templateID") == t.template_id for d in await node.snapshots.list()):
             raise ApiError(409, f"template {template_id!r} is the base of stored snapshots")
         await trio.to_thread.run_sync(node.templates.delete, t.template_id)
+        await node.durable.unshare_template(t.template_id)
         await node.builds.forget_template(t)  # a built template's snapshot goes with it
         return _no_content()
 
@@ -681,6 +682,7 @@ def create_app(node: Node) -> QuartTrio:
                 )
             except TemplateConflict as e:
                 raise ApiError(409, str(e)) from None
+            node.durable.share_template(t)
             out["template"] = t.to_api()
         return out
 

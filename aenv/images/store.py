@@ -460,6 +460,27 @@ class ImageStore:
         doc = record.to_json() | {"references": refs}
         write_atomic(path, json.dumps(doc, indent=1).encode())
 
+    def adopt(self, record: ImageRecord, indexes: dict[str, bytes]) -> None:
+        """Record an image another node pulled, from its record and layer indexes
+        (from the object store; blocking). Each index must be the layer's."""
+        for digest in record.layers:
+            raw = indexes.get(digest)
+            if raw is None:
+                if not self._index_path(digest).is_file():
+                    raise PullError(f"image {record.reference}: layer {digest} has no index")
+                continue
+            try:
+                index = layerindex.loads(raw)
+            except layerindex.BadIndex as exc:
+                raise PullError(f"image {record.reference}: layer {digest}: {exc}") from None
+            if index.digest != digest:
+                raise PullError(
+                    f"image {record.reference}: the stored index of layer {digest} "
+                    f"describes {index.digest}"
+                )
+            write_atomic(self._index_path(digest), raw)
+        self._save_record(record)
+
     def _index_path(self, digest: str) -> Path:
         return self.root / "layers" / f"{_hex(digest)}.json"
 

@@ -367,6 +367,7 @@ class Builds:
                 )
             )
             done = True
+            self.node.durable.share_template(template)
             if replaced not in (None, snapshot_id) and await self.backing(str(replaced)) is None:
                 await self.node.snapshots.delete(str(replaced))
             build.log(f"template {template.template_id} ready", step=step)

@@ -27,6 +27,7 @@ any more once older than the grace period.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import secrets
 import shutil
@@ -35,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from aenv.images.objects import layer_key
+from aenv.images.store import ImageNotPulled, ImageRecord
 from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot
 from aenv.node.warm import is_internal
 from aenv.proto.ids import InvalidName, check_name
@@ -52,12 +55,24 @@ from aenv.storage.snapstore import (
     materialise_layer,
     upload_snapshot,
 )
-from aenv.storage.templates import Template, TemplateNotFound
+from aenv.storage.templates import DEFAULT_TEMPLATE_IDS, Template, TemplateNotFound
 
 if TYPE_CHECKING:
     from aenv.node.node import Node
 
 log = logging.getLogger("aenv.durable")
+
+TEMPLATE_PREFIX = "templates"
+IMAGE_RECORD_PREFIX = "images/records"
+
+
+def template_key(template_id: str) -> str:
+    return f"{TEMPLATE_PREFIX}/{template_id}.json"
+
+
+def image_record_key(key: str) -> str:
+    return f"{IMAGE_RECORD_PREFIX}/{key}.json"
+
 
 UPLOAD_CONCURRENCY = 2  # snapshots uploading at once
 RETRY_BASE_S = 0.5
@@ -203,6 +218,108 @@ class Durable:
                 await ev.wait()
         assert doc is not None
         return doc
+
+    # -- templates -----------------------------------------------------------------
+
+    def share_template(self, template: Template) -> None:
+        """Put `template` (and the image record it stands on) in the store, in the
+        background and retrying, so that any node sharing the store can start it."""
+        if self.store is None or template.template_id in DEFAULT_TEMPLATE_IDS:
+            return
+        self._nursery.start_soon(self._share_template, template)
+
+    async def _share_template(self, template: Template) -> None:
+        assert self.store is not None
+        if template.snapshot_id is not None:  # a built template: its snapshot first
+            while True:
+                try:
+                    doc = await self.wait_durable(template.snapshot_id)
+                except CorruptSnapshot:
+                    return  # deleted (a rebuild replaced it)
+                if doc.get("storage") == "durable":
+                    break
+                if doc.get("storage") == "local":
+                    return  # kept on this node only
+                await trio.sleep(RETRY_MAX_S)
+        delay = RETRY_BASE_S
+        while True:
+            try:
+                if template.image_key is not None:
+                    images = self.node.images.store
+                    with contextlib.suppress(ImageNotPulled):
+                        record = await trio.to_thread.run_sync(images.record, template.image_key)
+                        body = json.dumps(record.to_json()).encode()
+                        await self.store.put(image_record_key(record.key), body)
+                body = json.dumps(template.to_json()).encode()
+                await self.store.put(template_key(template.template_id), body)
+                break
+            except StoreError as exc:
+                log.warning("sharing template %s failed, retrying: %s", template.template_id, exc)
+                await trio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+        try:  # deleted meanwhile: not in the store either
+            await trio.to_thread.run_sync(self.node.templates.resolve, template.template_id)
+        except TemplateNotFound:
+            await self.unshare_template(template.template_id)
+        else:
+            log.info("template %s is in the object store", template.template_id)
+
+    async def unshare_template(self, template_id: str) -> None:
+        """Remove a deleted template from the store (its image record stays: others may use it)."""
+        if self.store is None:
+            return
+        try:
+            await self.store.delete(template_key(template_id))
+        except StoreError as exc:
+            log.warning("template %s stays in the object store: %s", template_id, exc)
+
+    async def find_template(self, name: str) -> Template | None:
+        """A template another node put in the store under ID or alias `name`, made
+        usable here (its image record and layer indexes fetched); None if absent."""
+        if self.store is None:
+            return None
+        try:
+            check_name(name, "template name")
+            infos = await self.store.list(TEMPLATE_PREFIX + "/")
+        except InvalidName:
+            return None
+        except StoreError as exc:
+            log.warning("cannot look up template %r in the object store: %s", name, exc)
+            return None
+        for info in infos:
+            try:
+                raw = await self.store.get(info.key)
+                doc = json.loads(raw)
+            except (StoreError, ValueError) as exc:
+                log.warning("template record %s in the object store: %s", info.key, exc)
+                continue
+            if name == doc.get("templateID") or name in (doc.get("aliases") or ()):
+                return await self._adopt_template(raw, doc)
+        return None
+
+    async def _adopt_template(self, raw: bytes, doc: dict[str, Any]) -> Template:
+        assert self.store is not None
+        image = doc.get("image")
+        if isinstance(image, dict) and isinstance(image.get("key"), str):
+            images = self.node.images.store
+            key = str(image["key"])
+            try:
+                await trio.to_thread.run_sync(images.record, key)
+            except ImageNotPulled:
+                try:
+                    record = ImageRecord.from_json(
+                        json.loads(await self.store.get(image_record_key(key)))
+                    )
+                    indexes = {
+                        digest: await self.store.get(layer_key(digest)) for digest in record.layers
+                    }
+                except (StoreError, ValueError, KeyError, TypeError) as exc:
+                    raise TemplateNotFound(
+                        f"template {doc.get('templateID')!r} is in the object store but its "
+                        f"image {key[:12]} is not usable: {exc}"
+                    ) from None
+                await trio.to_thread.run_sync(images.adopt, record, indexes)
+        return await trio.to_thread.run_sync(self.node.templates.adopt, raw)
 
     # -- restores ------------------------------------------------------------------
 

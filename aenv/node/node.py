@@ -274,15 +274,20 @@ class Node:
             template = await trio.to_thread.run_sync(self.templates.resolve, name)
         except (TemplateNotFound, InvalidName) as not_template:
             # A bare word is a template name (a typo must be "not found", not a
-            # Docker Hub lookup); an image reference has a tag, digest or path.
+            # Docker Hub lookup): here, else one another node put in the object
+            # store. An image reference has a tag, digest or path.
             if not any(c in name for c in "/:@"):
-                raise
-            try:
-                parse_reference(name)
-            except InvalidReference:
-                raise not_template from None
-            record = await self.images.pull(name, missing_only=True)
-            template = await trio.to_thread.run_sync(self.image_template, record)
+                shared = await self.durable.find_template(name)
+                if shared is None:
+                    raise
+                template = shared
+            else:
+                try:
+                    parse_reference(name)
+                except InvalidReference:
+                    raise not_template from None
+                record = await self.images.pull(name, missing_only=True)
+                template = await trio.to_thread.run_sync(self.image_template, record)
         if template.image_key is not None:
             await self.images.prepare(template.image_key)
         return template
@@ -326,7 +331,9 @@ class Node:
     async def create(self, req: NewSandbox) -> SandboxActor:
         template = await self.resolve_template(req.template)
         if template.snapshot_id is not None:  # a built template: restore its snapshot
-            doc = await self.snapshots.resolve(template.snapshot_id)
+            doc = await self.snapshots.resolve(template.snapshot_id) or await self.durable.locate(
+                template.snapshot_id
+            )
             if doc is None:
                 raise CorruptSnapshot(f"snapshot {template.snapshot_id} is missing")
             return await self.create_from_snapshot(doc, req, template=template)

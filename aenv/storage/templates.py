@@ -148,7 +148,7 @@ class Template:
             "isDefault": self.template_id in DEFAULT_TEMPLATE_IDS,
         }
 
-    def _to_json(self) -> dict[str, object]:
+    def to_json(self) -> dict[str, object]:
         return {
             "version": METADATA_VERSION,
             "templateID": self.template_id,
@@ -465,7 +465,7 @@ class TemplateStore:
             try:
                 _move_tree(rootfs_dir, staging / ROOTFS_DIR)
                 moved = True
-                _write_json_atomic(staging / METADATA_FILE, template._to_json())
+                _write_json_atomic(staging / METADATA_FILE, template.to_json())
                 os.rename(staging, template_dir)
                 fsync_dir(self.root)
             except BaseException:
@@ -577,7 +577,7 @@ class TemplateStore:
                 snapshot_id=snapshot_id,
             )
             if old is not None:
-                _write_json_atomic(self.root / template_id / METADATA_FILE, template._to_json())
+                _write_json_atomic(self.root / template_id / METADATA_FILE, template.to_json())
             else:
                 self._publish(template)
         log.info("template %s: build %s ready (snapshot %s)", template_id, build_id, snapshot_id)
@@ -588,12 +588,37 @@ class TemplateStore:
         staging = self.root / f"{_STAGING_PREFIX}{template.template_id}-{secrets.token_hex(4)}"
         staging.mkdir(mode=0o755)
         try:
-            _write_json_atomic(staging / METADATA_FILE, template._to_json())
+            _write_json_atomic(staging / METADATA_FILE, template.to_json())
             os.rename(staging, self.root / template.template_id)
             fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+    def adopt(self, raw: bytes) -> Template:
+        """Record a template another node made (its `to_json`, from the object store).
+
+        An image template's image, or a built template's snapshot and base,
+        must be available to this node before a sandbox starts from it; a
+        template of the same ID already here is returned as it is.
+        """
+        try:
+            doc = json.loads(raw)
+            template_id = check_name(str(doc["templateID"]), "template ID")
+        except (ValueError, KeyError, TypeError, InvalidName) as exc:
+            raise TemplateConflict(f"not a template record: {exc}") from None
+        try:
+            template = _parse(template_id, self.root / template_id, raw, self.image_root)
+        except _Corrupt as exc:
+            raise TemplateConflict(f"template record {template_id}: {exc}") from None
+        with self._locked():
+            existing = self._load(template_id)
+            if existing is not None:
+                return existing
+            self._check_free(template_id, template.aliases)
+            self._publish(template)
+        log.info("adopted template %s from the object store", template_id)
+        return template
 
     def delete(self, name_or_id: str) -> None:
         """Remove a template (by ID or alias) and its root filesystem."""

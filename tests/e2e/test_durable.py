@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, Template
 from e2b.exceptions import SandboxException
 
 # Fixtures are imported by name, so test parameters shadow them (F811).
@@ -367,3 +367,28 @@ def test_gc_removes_what_only_deleted_snapshots_used(nodes: Nodes) -> None:
         assert time.monotonic() < deadline, f"{len(nodes.objects('blobs/'))} blobs remain"
         time.sleep(0.3)
     assert not nodes.objects("snapshots/") and not nodes.objects("pending/")
+
+
+def test_a_built_template_reaches_a_node_that_never_saw_it(nodes: Nodes) -> None:
+    """A template built on node A (steps over `base`) is in the store once its
+    snapshot is durable: node B, fresh home, starts it by name with the build's
+    files and defaults."""
+    nodes.start("a")
+    info = Template.build(
+        Template().from_template("base").run_cmd("echo built-on-a > /home/user/b.txt"),
+        "shared-build",
+    )
+    deadline = time.monotonic() + 120
+    while f"templates/{info.template_id}.json" not in nodes.objects("templates/"):
+        assert time.monotonic() < deadline, "the built template never reached the store"
+        time.sleep(0.2)
+    nodes.stop()
+
+    nodes.start("b")
+    s = Sandbox.create("shared-build", timeout=60)
+    try:
+        assert s.get_info().template_id == info.template_id
+        assert s.commands.run("cat b.txt; whoami").stdout == "built-on-a\nuser\n"
+    finally:
+        s.kill()
+    nodes.stop()

@@ -29,7 +29,7 @@ from e2b import Sandbox
 from tests.conftest import NodeProc, built_home, leaks, link_home, requires_node, start_node
 from tests.conftest import stop_node as stop
 from tests.e2e.test_images import metric
-from tests.registry import LocalRegistry, busybox_layer, push_big_image
+from tests.registry import LocalRegistry, running_registry, busybox_layer, push_big_image
 from tests.s3 import MotoS3, s3_faulty  # noqa: F401
 
 pytestmark = [requires_node, pytest.mark.runsc]
@@ -179,3 +179,63 @@ def test_a_node_starts_an_image_from_the_store_without_its_blobs(
         assert metric(b, "aenv_image_fs_read_errors_total") == 0
     finally:
         s.kill()
+
+
+@pytest.fixture
+def own_registry(tmp_path: Path) -> Iterator[LocalRegistry]:
+    """A registry of this test's own, which it may stop."""
+    with running_registry(tmp_path / "registry", auth=False) as reg:
+        yield reg
+
+
+def test_a_named_template_reaches_a_node_that_never_saw_it(
+    nodes: Nodes, own_registry: LocalRegistry
+) -> None:
+    """A template named on node A is in the store: node B, fresh disk, with the
+    registry gone, starts it by name from the store alone; deleting it on B
+    removes it from the store."""
+    registry = own_registry
+    img = push_big_image(
+        registry, "tplshare", "1", total_mb=4, files=2, layers=1, seed=5, base=[busybox_layer()]
+    )
+    a = nodes.start()
+    r = httpx.post(
+        f"{a.url}/images",
+        json={"image": img.ref, "name": "shared-tpl", "memoryMB": 256},
+        headers={"X-API-Key": a.api_key},
+        timeout=120,
+    )
+    assert r.status_code == 201, r.text
+    template_id = r.json()["template"]["templateID"]
+    deadline = time.monotonic() + 60
+    keys = [f"templates/{template_id}.json"] + [
+        f"images/layers/{d.removeprefix('sha256:')}.json" for d in img.layer_digests
+    ]
+    for key in keys:  # shared in the background
+        while not nodes.stored(key):
+            assert time.monotonic() < deadline, f"{key} never reached the store"
+            time.sleep(0.2)
+    nodes.stop()
+    registry.stop()
+
+    b = nodes.start()
+    s = Sandbox.create("shared-tpl", timeout=120)
+    try:
+        path, digest = sorted(img.contents.items())[0]
+        assert s.commands.run(f"sha256sum /{path}").stdout.split()[0] == digest
+        info = httpx.get(
+            f"{b.url}/sandboxes/{s.sandbox_id}", headers={"X-API-Key": b.api_key}
+        ).json()
+        assert info["templateID"] == template_id and info["memoryMB"] == 256
+        assert metric(b, "aenv_image_registry_bytes_total") == 0
+    finally:
+        s.kill()
+    missing = httpx.post(
+        f"{b.url}/sandboxes",
+        json={"templateID": "never-made"},
+        headers={"X-API-Key": b.api_key},
+    )
+    assert missing.status_code == 404, missing.text
+    gone = httpx.delete(f"{b.url}/templates/shared-tpl", headers={"X-API-Key": b.api_key})
+    assert gone.status_code == 204, gone.text
+    assert not nodes.stored(f"templates/{template_id}.json")
