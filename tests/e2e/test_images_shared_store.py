@@ -29,7 +29,7 @@ from e2b import Sandbox
 from tests.conftest import NodeProc, built_home, leaks, link_home, requires_node, start_node
 from tests.conftest import stop_node as stop
 from tests.e2e.test_images import metric
-from tests.registry import LocalRegistry, running_registry, busybox_layer, push_big_image
+from tests.registry import LocalRegistry, busybox_layer, push_big_image, running_registry
 from tests.s3 import MotoS3, s3_faulty  # noqa: F401
 
 pytestmark = [requires_node, pytest.mark.runsc]
