@@ -106,6 +106,15 @@ def _on_disk(r: Restartable, sid: str, within: float = 30.0) -> None:
     raise AssertionError(f"sandbox {sid} was not written to disk within {within}s")
 
 
+def _counting() -> tuple[Sandbox, int]:
+    """A sandbox running a counter, with a file written: what `_paused_then_resumes` checks."""
+    s = Sandbox.create(TEMPLATE, timeout=300)
+    s.commands.run(COUNTER, background=True)
+    s.files.write("/tmp/kept.txt", "written before the pause")
+    counts_on(s)
+    return s, count(s)
+
+
 def _paused_then_resumes(r: Restartable, sid: str, before: int) -> None:
     listed = {s["sandboxID"]: s["state"] for s in r.get("/v2/sandboxes?state=paused").json()}
     assert listed.get(sid) == "paused", listed
@@ -118,11 +127,7 @@ def _paused_then_resumes(r: Restartable, sid: str, before: int) -> None:
 def test_a_paused_sandbox_survives_restarts_and_crashes(node_home: Restartable) -> None:
     r = node_home
     r.start()
-    s = Sandbox.create(TEMPLATE, timeout=300)
-    s.commands.run(COUNTER, background=True)
-    s.files.write("/tmp/kept.txt", "written before the pause")
-    counts_on(s)
-    before = count(s)
+    s, before = _counting()
     s.pause()  # frozen in memory: a clean stop writes it to disk
     sid = s.sandbox_id
     assert r.get(f"/sandboxes/{sid}").json()["pausedInMemory"] is True
@@ -150,11 +155,7 @@ def test_a_paused_sandbox_survives_restarts_and_crashes(node_home: Restartable) 
 def test_a_crash_mid_pause_leaves_it_paused_or_gone(node_home: Restartable, delay: float) -> None:
     r = node_home
     r.start()
-    s = Sandbox.create(TEMPLATE, timeout=300)
-    s.commands.run(COUNTER, background=True)
-    s.files.write("/tmp/kept.txt", "written before the pause")
-    counts_on(s)
-    before = count(s)
+    s, before = _counting()
     sid = s.sandbox_id
 
     def pause() -> None:
@@ -209,11 +210,7 @@ def test_paused_sandboxes_go_to_disk_when_memory_runs_short(node_home: Restartab
     # the idle time is far away; "short of memory" is every level below 100 %
     r.env |= {"AENV_HIBERNATE_AFTER": "600", "AENV_HIBERNATE_MEMORY_LOW": "100"}
     r.start()
-    s = Sandbox.create(TEMPLATE, timeout=300)
-    s.commands.run(COUNTER, background=True)
-    s.files.write("/tmp/kept.txt", "written before the pause")
-    counts_on(s)
-    before = count(s)
+    s, before = _counting()
     s.pause()
     _on_disk(r, s.sandbox_id, within=20)
     assert "memory available" in (r.home / "node.log").read_text()
