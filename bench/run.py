@@ -18,9 +18,11 @@ floor, the same operations done directly with `runsc` and no aenv at all,
 started the way aenv's gVisor driver starts sandboxes (the driver's OCI
 config, its runsc flags and platform, a private mount namespace with a tmpfs
 over /proc/sys/net, `--network=sandbox` in a netns of its own holding a
-veth): `runsc run` of a busybox root filesystem until its first command
-(`true`) exits, `runsc exec <id> true`, `runsc exec` of `sh -c 'cat > f'` /
-`cat f` for 1 MiB, `runsc checkpoint` of a running busybox sandbox and
+veth, the node's checkpoint compression): `runsc run` of a busybox root
+filesystem until its first command (`true`) exits, `runsc exec <id> true`,
+`runsc exec` of `sh -c 'cat > f'` / `cat f` for 1 MiB; then, for a busybox
+sandbox and for the sandbox aenv runs (the template's root filesystem under
+an overlay, envd as init), `runsc checkpoint` of the running sandbox and
 `runsc restore` of its image into a fresh container ID (then `runsc exec
 true`), `runsc checkpoint --leave-running`, and that plus 1 or 4 concurrent
 restores, each into a netns of its own (a fork). It prints a table (with the
