@@ -213,6 +213,8 @@ class SandboxActor:
         # paused by freezing: the runtime, mount and slot are kept until it hibernates
         self.frozen_pause = False
         self._hibernate_now = False
+        # writing a frozen sandbox to disk: if that fails, it is frozen again
+        self._hibernating = False
         # a paused sandbox whose record and memory image are on disk (it survives a crash)
         self.on_disk = False
         # set once a frozen pause ends: resumed, written to disk, or killed
@@ -502,6 +504,7 @@ class SandboxActor:
             return True
         if self.lifecycle.state is lc.State.PAUSED:
             self.lifecycle.step(lc.Hibernate())
+            self._hibernating = True
             self._log("hibernating (writing memory to disk)")
         return False
 
@@ -529,6 +532,12 @@ class SandboxActor:
             for req in self._pausers:
                 req.fail(PauseError(f"pause failed: {exc}"))
             self._pausers.clear()
+            self._reopen_http()
+            if self._hibernating:  # the caller heard "paused": stay paused, in memory
+                self._hibernating = False
+                self.lifecycle.step(lc.Pause(trio.current_time()))
+                if not await self._freeze_for_pause():
+                    self._log("the sandbox runs again: it could not be frozen", level="error")
             return False
         # stop (or clean up after) the runtime, then freeze what it wrote
         assert self._runtime_stack is not None
@@ -537,6 +546,7 @@ class SandboxActor:
         layer = await self.node.layers.freeze(upper, below=self.stack)
         self.stack = await self.node.layers.limit_depth(self.node.layers.chain(layer))
         self._upper, self._live = None, None
+        self._hibernating = False
         old, self._resume_image = self._resume_image, image
         if old is not None and old != image and old.parent == self.workdir:
             # only its own: a snapshot's or a fork parent's image is not this sandbox's
@@ -622,8 +632,14 @@ class SandboxActor:
             self.sandbox_ip, within_s=_CLOSE_WAIT_S
         ):
             self._log("envd kept a connection open; capturing anyway", level="warn")
-        if reopen and self._period_stack is not None:
-            self.http = await self._period_stack.enter_async_context(_http_client())
+        if reopen:
+            self._reopen_http()
+
+    def _reopen_http(self) -> None:
+        """A new client for this running period (after `_close_connections`)."""
+        if self.http is not None and self.http.is_closed and self._period_stack is not None:
+            self.http = _http_client()
+            self._period_stack.push_async_callback(self.http.aclose)
 
     def layer_ids(self) -> set[str]:
         """Layers this sandbox stands on or captured last (garbage collection keeps them)."""

@@ -215,3 +215,29 @@ def test_paused_sandboxes_go_to_disk_when_memory_runs_short(node_home: Restartab
     _on_disk(r, s.sandbox_id, within=20)
     assert "memory available" in (r.home / "node.log").read_text()
     _paused_then_resumes(r, s.sandbox_id, before)
+
+
+def test_a_failed_hibernation_keeps_the_sandbox_paused_in_memory(
+    node_home: Restartable,
+) -> None:
+    """When its memory image cannot be written, a paused sandbox stays paused
+    (frozen, in memory), is written to disk once that works, and resumes."""
+    r = node_home
+    r.start()
+    s, before = _counting()
+    workdir = r.home / "sandboxes" / s.sandbox_id
+    blockers = [workdir / f"image{n}.tmp" for n in range(1, 6)]
+    for blocker in blockers:  # where the memory image is staged: taken
+        blocker.write_text("in the way")
+    s.pause()
+    deadline = time.monotonic() + 30
+    while "hibernating" not in (r.home / "node.log").read_text():
+        assert time.monotonic() < deadline, "the node never tried to hibernate"
+        time.sleep(0.2)
+    time.sleep(1)
+    d = r.get(f"/sandboxes/{s.sandbox_id}").json()
+    assert d["state"] == "paused" and d["pausedInMemory"] is True, d
+    for blocker in blockers:
+        blocker.unlink()
+    _on_disk(r, s.sandbox_id, within=30)
+    _paused_then_resumes(r, s.sandbox_id, before)

@@ -127,3 +127,35 @@ def _snapshot_images(home: Path) -> dict[str, int]:
         str(f.relative_to(home)): f.stat().st_size
         for f in sorted((home / "snapshots").glob("*/image/*"))
     }
+
+
+def test_a_failed_capture_leaves_the_sandbox_running(node: NodeProc) -> None:
+    """When the memory image cannot be written, snapshot and fork answer an
+    error and the source runs on, its processes and its envd reachable."""
+    s = Sandbox.create("base")
+    blockers = []
+    try:
+        s.commands.run(COUNTER, background=True)
+        time.sleep(1)
+        workdir = node.home / "sandboxes" / s.sandbox_id
+        assert workdir.is_dir()
+        # files where the next memory images are staged: the captures cannot start
+        for n in range(1, 6):
+            blocker = workdir / f"image{n}.tmp"
+            blocker.write_text("in the way")
+            blockers.append(blocker)
+        before = counts_on(s)
+        with pytest.raises(SandboxException, match="capturing the sandbox failed"):
+            s.create_snapshot()
+        with pytest.raises(SandboxException, match="capturing the sandbox failed"):
+            s.fork(count=1)
+        assert counts_on(s) > before  # the same process, counting on
+        assert s.commands.run("echo still here").stdout == "still here\n"
+        for blocker in blockers:
+            blocker.unlink()
+        info = s.create_snapshot()  # and a capture works again
+        Sandbox.delete_snapshot(info.snapshot_id)
+    finally:
+        for blocker in blockers:
+            blocker.unlink(missing_ok=True)
+        Sandbox.kill(s.sandbox_id)
