@@ -53,6 +53,7 @@ from aenv.storage.snapstore import (
     download_image,
     fetch_manifest,
     materialise_layer,
+    one_error,
     upload_snapshot,
 )
 from aenv.storage.templates import DEFAULT_TEMPLATE_IDS, Template, TemplateNotFound
@@ -398,18 +399,28 @@ class Durable:
         staged: list[tuple[Path, Any]] = []
         image_dir: Path | None = None
         start = trio.current_time()
+        store = self.store
         try:
             for sl in m.layers:
-                if sl.id in present:
-                    continue
-                staging = await trio.to_thread.run_sync(layers.new_staging)
-                staged.append((staging, sl))
-                await materialise_layer(self.store, m.snapshot_id, sl, staging / "tree")
+                if sl.id not in present:
+                    staged.append((await trio.to_thread.run_sync(layers.new_staging), sl))
             sums: dict[str, str] = {}
             if m.image is not None:
                 image_dir = snapshots.root / f".tmp-{m.snapshot_id}-{secrets.token_hex(4)}"
                 await trio.to_thread.run_sync(image_dir.mkdir)
-                sums = await download_image(self.store, m, image_dir / "image")
+
+            async def image(into: Path) -> None:
+                sums.update(await download_image(store, m, into))
+
+            # every missing layer and the memory image at once
+            with one_error():
+                async with trio.open_nursery() as nursery:
+                    for staging, sl in staged:
+                        nursery.start_soon(
+                            materialise_layer, store, m.snapshot_id, sl, staging / "tree"
+                        )
+                    if image_dir is not None:
+                        nursery.start_soon(image, image_dir / "image")
             for staging, sl in staged:
                 await layers.adopt(staging, sl.id, below=sl.below, base=[template.rootfs])
             staged.clear()

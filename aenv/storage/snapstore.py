@@ -412,7 +412,7 @@ def _leaves(eg: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 @contextlib.contextmanager
-def _one_error() -> Iterator[None]:
+def one_error() -> Iterator[None]:
     """Let the first real failure of a nursery of parallel transfers out on its own."""
     try:
         yield
@@ -559,13 +559,13 @@ async def upload_snapshot(
         if digest in done or await store.has_blob(digest):
             continue  # an index is stored after its chunks: they are there too
         pairs = [(layer.tree / e.path, c) for e in index.entries for c in e.chunks]
-        with _one_error():
+        with one_error():
             async with trio.open_nursery() as n:
                 for d, read in chunk_jobs(pairs):
                     n.start_soon(one, d, read, "layer")
         await one(digest, functools.partial(bytes, raw), "layer")
         done.add(digest)
-    with _one_error():
+    with one_error():
         async with trio.open_nursery() as n:
             for path, chunks in files:
                 for d, read in chunk_jobs((path, c) for c in chunks):
@@ -686,7 +686,7 @@ async def _fill(
             )
         await trio.to_thread.run_sync(write_piece, path, c.offset, data, limiter=io)
 
-    with _one_error():
+    with one_error():
         async with trio.open_nursery() as n:
             for path, c in pieces:
                 n.start_soon(one, path, c)
@@ -875,6 +875,7 @@ __all__ = [
     "manifest_key",
     "materialise_layer",
     "name_key",
+    "one_error",
     "pending_key",
     "upload_snapshot",
 ]
