@@ -437,7 +437,8 @@ class SandboxActor:
                         if await self._pause(disk):
                             return False
                     finally:
-                        self.unfrozen.set()
+                        if not self.frozen_pause:  # (a failed hibernation froze it again)
+                            self.unfrozen.set()
             except Exception as exc:  # supervision: contain this sandbox's failure
                 log.exception("sandbox %s failed", self.sandbox_id)
                 if self.lifecycle.can(lc.Crashed("")):
