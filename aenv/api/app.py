@@ -69,14 +69,30 @@ V2_PAGE_MAX = 1000
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        retry_after: float | None = None,
+        *,
+        should_retry: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        self.should_retry = should_retry
 
 
-def error_response(status: int, message: str, retry_after: float | None = None) -> Response:
+def error_response(
+    status: int,
+    message: str,
+    retry_after: float | None = None,
+    *,
+    should_retry: bool | None = None,
+) -> Response:
+    """The E2B error body; `should_retry` sets the SDK's `Should-Retry` header
+    (without it, the SDK retries 429 and 502-504 on its own)."""
     resp = Response(
         json.dumps({"code": status, "message": message}),
         status=status,
@@ -84,6 +100,8 @@ def error_response(status: int, message: str, retry_after: float | None = None) 
     )
     if retry_after is not None:
         resp.headers["Retry-After"] = str(max(1, round(retry_after)))
+    if should_retry is not None:
+        resp.headers["Should-Retry"] = "true" if should_retry else "false"
     return resp
 
 
@@ -177,7 +195,7 @@ def create_app(node: Node) -> QuartTrio:
 
     @app.errorhandler(ApiError)
     async def _api_error(e: ApiError) -> Response:
-        return error_response(e.status, e.message, e.retry_after)
+        return error_response(e.status, e.message, e.retry_after, should_retry=e.should_retry)
 
     @app.errorhandler(Busy)
     async def _busy(e: Busy) -> Response:
@@ -725,7 +743,9 @@ def _pull_error(exc: PullError) -> ApiError:
         return ApiError(403, str(exc))
     if isinstance(cause, UnsupportedImage) or cause is None:
         return ApiError(400, str(exc))
-    return ApiError(502, str(exc))
+    # the node has retried the registry already: the SDK's own retries would
+    # only multiply the wait for the same answer
+    return ApiError(502, str(exc), should_retry=False)
 
 
 def _dir_size(path: Path) -> int:
