@@ -12,6 +12,7 @@ recorded: one sandbox's crash never reaches the node.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import logging
 import secrets
@@ -520,13 +521,8 @@ class SandboxActor:
         try:
             await self._close_connections(reopen=False)
             if self.pause_mode == "full":
-                self._captures += 1
-                image = self.workdir / f"image{self._captures}"
-                tmp = image.with_suffix(".tmp")
-                await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
-                tmp.mkdir(parents=True)
-                await self._running.checkpoint(tmp, leave_running=False)
-                tmp.rename(image)
+                image = self._next_image()
+                await self._checkpoint_to(image, leave_running=False)
         except Exception as exc:
             self.lifecycle.step(lc.PauseFailed(now, repr(exc)))
             self._log(f"pause failed, still running: {exc!r}", level="error")
@@ -568,8 +564,9 @@ class SandboxActor:
         The sandbox is held (its processes stopped, the runtime answering)
         while the runtime writes its memory image, leaving it running, and
         storage copies what its upper changed since the previous capture into
-        a new layer; then it runs on, with its ID, network, connections and
-        expiry. The children (or the snapshot) get that image over that layer.
+        a new layer; then it runs on, with its ID, network, processes and
+        expiry (the node's connections into it are closed before the image is
+        taken). The children (or the snapshot) get that image over that layer.
         """
         assert self._running is not None and self._upper is not None
         memory = isinstance(msg, Fork) or msg.memory
@@ -579,21 +576,16 @@ class SandboxActor:
         try:
             if memory:
                 await self._close_connections(reopen=True)
-                self._captures += 1
-                image = self.workdir / f"image{self._captures}"
+                image = self._next_image()
             held_at = time.perf_counter()
             async with self._running.held():
                 if image is not None:
-                    tmp = image.with_suffix(".tmp")
-                    await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
-                    tmp.mkdir(parents=True)
-                    await self._running.checkpoint(tmp, leave_running=True)
-                    tmp.rename(image)
+                    await self._checkpoint_to(image, leave_running=True)
                 captured = await self.node.layers.capture(
                     self._upper, below=self.stack, since=self._live
                 )
                 stack = await self.node.layers.limit_depth(captured.stack)
-                self._live = Captured(stack, captured.entries, captured.copied_bytes)
+                self._live = dataclasses.replace(captured, stack=stack)
                 # the children start restoring while the source is let go
                 if isinstance(msg, Fork):
                     assert image is not None
@@ -617,6 +609,20 @@ class SandboxActor:
             f"{held_ms:.0f} ms): {captured.copied_bytes} bytes of files copied, "
             f"{stack.depth} layers"
         )
+
+    def _next_image(self) -> Path:
+        """Where this sandbox's next memory image goes (in its own workdir)."""
+        self._captures += 1
+        return self.workdir / f"image{self._captures}"
+
+    async def _checkpoint_to(self, image: Path, *, leave_running: bool) -> None:
+        """Checkpoint the runtime into `image`: staged beside it, renamed once whole."""
+        assert self._running is not None
+        tmp = image.with_suffix(".tmp")
+        await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
+        tmp.mkdir(parents=True)
+        await self._running.checkpoint(tmp, leave_running=leave_running)
+        tmp.rename(image)
 
     async def _close_connections(self, *, reopen: bool) -> None:
         """Close the node's connections into the sandbox before a memory image is taken.
