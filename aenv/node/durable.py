@@ -42,7 +42,13 @@ from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot
 from aenv.node.warm import is_internal
 from aenv.proto.ids import InvalidName, check_name
 from aenv.storage.layers import LayerError
-from aenv.storage.objstore import ObjectStore, StoreError, StoreUnavailable, open_object_store
+from aenv.storage.objstore import (
+    ObjectNotFound,
+    ObjectStore,
+    StoreError,
+    StoreUnavailable,
+    open_object_store,
+)
 from aenv.storage.snapstore import (
     GcReport,
     LocalLayer,
@@ -281,22 +287,33 @@ class Durable:
             return None
         try:
             check_name(name, "template name")
-            infos = await self.store.list(TEMPLATE_PREFIX + "/")
         except InvalidName:
             return None
+        found = await self._template_record(template_key(name))  # by ID: one object
+        if found is not None and found[1].get("templateID") == name:
+            return await self._adopt_template(*found)
+        try:
+            infos = await self.store.list(TEMPLATE_PREFIX + "/")  # by alias: look through all
         except StoreError as exc:
             log.warning("cannot look up template %r in the object store: %s", name, exc)
             return None
         for info in infos:
-            try:
-                raw = await self.store.get(info.key)
-                doc = json.loads(raw)
-            except (StoreError, ValueError) as exc:
-                log.warning("template record %s in the object store: %s", info.key, exc)
-                continue
-            if name == doc.get("templateID") or name in (doc.get("aliases") or ()):
-                return await self._adopt_template(raw, doc)
+            found = await self._template_record(info.key)
+            if found is not None and name in (found[1].get("aliases") or ()):
+                return await self._adopt_template(*found)
         return None
+
+    async def _template_record(self, key: str) -> tuple[bytes, dict[str, Any]] | None:
+        """A template record from the store, raw and parsed; None if absent or unreadable."""
+        assert self.store is not None
+        try:
+            raw = await self.store.get(key)
+            return raw, json.loads(raw)
+        except ObjectNotFound:
+            return None
+        except (StoreError, ValueError) as exc:
+            log.warning("template record %s in the object store: %s", key, exc)
+            return None
 
     async def _adopt_template(self, raw: bytes, doc: dict[str, Any]) -> Template:
         assert self.store is not None
