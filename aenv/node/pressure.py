@@ -40,8 +40,7 @@ class Frozen:
 def choose(available: int, total: int, low_pct: float, frozen: Sequence[Frozen]) -> list[str]:
     """Which frozen sandboxes to hibernate now (longest paused first); none
     while available memory is at or above `low_pct` percent of `total`."""
-    low = total * low_pct / 100
-    if available >= low or not frozen:
+    if not short(available, total, low_pct) or not frozen:
         return []
     need = total * (low_pct + MARGIN_PCT) / 100 - available
     chosen: list[str] = []
@@ -51,6 +50,11 @@ def choose(available: int, total: int, low_pct: float, frozen: Sequence[Frozen])
         chosen.append(f.sandbox_id)
         need -= max(f.memory_bytes, 1)
     return chosen
+
+
+def short(available: int, total: int, low_pct: float) -> bool:
+    """Whether available memory is below the low mark."""
+    return available < total * low_pct / 100
 
 
 def read_meminfo(path: Path = Path("/proc/meminfo")) -> tuple[int, int]:
@@ -76,8 +80,8 @@ async def watch(
     while True:
         await trio.sleep(poll_s)
         available, total = meminfo()
-        if available >= total * low_pct / 100:
-            continue
+        if not short(available, total, low_pct):
+            continue  # (asking every frozen sandbox its memory is not free)
         chosen = choose(available, total, low_pct, await frozen())
         if chosen:
             log.warning(
