@@ -232,8 +232,7 @@ def create_app(node: Node) -> QuartTrio:
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
         try:
-            snap = await node.snapshots.resolve(req.template)
-            snap = snap or await node.durable.locate(req.template)  # only in the object store?
+            snap = await node.find_snapshot(req.template)
             a = await (node.create_from_snapshot(snap, req) if snap else node.create(req))
         except CorruptSnapshot as e:
             raise ApiError(500, f"snapshot {req.template!r} cannot be used: {e}") from None
@@ -526,8 +525,7 @@ def create_app(node: Node) -> QuartTrio:
 
     @app.get("/snapshots/<snapshot_id>")
     async def snapshot_detail(snapshot_id: str) -> Response:
-        doc = await node.snapshots.resolve(snapshot_id)
-        doc = doc or await node.durable.locate(snapshot_id)  # only in the object store?
+        doc = await node.find_snapshot(snapshot_id)
         if doc is None:
             raise ApiError(404, f"snapshot {snapshot_id!r} not found")
         info = _snapshot_info(doc)

@@ -328,12 +328,14 @@ class Node:
                 raise
             return self.templates.resolve(template_id)  # a concurrent create made it first
 
+    async def find_snapshot(self, name_or_id: str) -> dict[str, Any] | None:
+        """A snapshot's record: this node's, else one only the object store holds."""
+        return await self.snapshots.resolve(name_or_id) or await self.durable.locate(name_or_id)
+
     async def create(self, req: NewSandbox) -> SandboxActor:
         template = await self.resolve_template(req.template)
         if template.snapshot_id is not None:  # a built template: restore its snapshot
-            doc = await self.snapshots.resolve(template.snapshot_id) or await self.durable.locate(
-                template.snapshot_id
-            )
+            doc = await self.find_snapshot(template.snapshot_id)
             if doc is None:
                 raise CorruptSnapshot(f"snapshot {template.snapshot_id} is missing")
             return await self.create_from_snapshot(doc, req, template=template)
