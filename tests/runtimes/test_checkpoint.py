@@ -47,8 +47,9 @@ state = {"n": 0}
 def count():
     while True:
         state["n"] += 1
-        with open("/root/count", "w") as f:
+        with open("/root/count.tmp", "w") as f:  # whole numbers only, even when frozen
             f.write(str(state["n"]))
+        os.replace("/root/count.tmp", "/root/count")
         time.sleep(0.05)
 threading.Thread(target=count, daemon=True).start()
 def echo():
