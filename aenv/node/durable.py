@@ -200,6 +200,7 @@ class Durable:
             layer = await trio.to_thread.run_sync(layers.get, str(lid))
             stack.append(LocalLayer(id=layer.id, below=layer.below, tree=layer.path))
         image = Path(doc["image"]) if doc.get("image") else None
+        bases = image_bases(doc, await self.node.snapshots.list()) if image is not None else []
         return await upload_snapshot(
             self.store,
             snapshot_id=str(doc["snapshotID"]),
@@ -207,6 +208,7 @@ class Durable:
             layers=stack,
             image=image,
             checksums=dict(doc.get("checksums") or {}),
+            image_bases=bases,
         )
 
     async def wait_durable(
@@ -514,6 +516,31 @@ class Durable:
                     log.error("store garbage collection failed: %s", exc)
                 if not self._gc_again:
                     return report
+
+
+IMAGE_BASES = 2  # earlier snapshots whose memory pages an upload may reuse
+
+
+def image_bases(doc: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
+    """The durable snapshots of this node closest to `doc`, whose stored memory
+    pages its upload may reference instead of storing again: same template, most
+    layers in common (a later snapshot of the same sandbox, or of one restored
+    or forked from it, shares its lower layers), then newest."""
+    mine = set(doc.get("layers") or ())
+    snap_id = doc.get("snapshotID")
+    ranked = sorted(
+        (
+            (len(mine.intersection(o.get("layers") or ())), float(o.get("createdAt") or 0), o)
+            for o in others
+            if o.get("snapshotID") != snap_id
+            and o.get("storage") == "durable"
+            and o.get("memory")
+            and o.get("templateID") == doc.get("templateID")
+        ),
+        key=lambda t: (t[0], t[1]),
+        reverse=True,
+    )
+    return [str(o["snapshotID"]) for _n, _t, o in ranked[:IMAGE_BASES]]
 
 
 def _remove(path: Path) -> None:

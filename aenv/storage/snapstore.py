@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import stat
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from typing import Any
 import trio
 
 from aenv.kit.files import fsync_tree
+from aenv.proto import pagemap
 from aenv.proto.layerindex import (
     CHUNK_SIZE,
     BadIndex,
@@ -59,6 +61,16 @@ from aenv.proto.layerindex import (
     LayerIndex,
     dumps,
     loads,
+)
+from aenv.storage.memimage import (
+    BadPack,
+    blob_digest,
+    build_pack,
+    hash_pages,
+    open_pack,
+    pack_map,
+    unpack_map,
+    write_pages,
 )
 from aenv.storage.objstore import (
     BLOB_PREFIX,
@@ -75,7 +87,8 @@ NAME_PREFIX = "names"
 # Image layer indexes, written by aenv.images.objects (same strings; storage never imports images).
 IMAGE_LAYER_PREFIX = "images/layers"
 IMAGE_PENDING_PREFIX = "images/pending"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: memory image files as page maps; 1 (chunked images) still reads
+_READABLE_VERSIONS = (1, 2)
 LAYER_MEDIA_TYPE = "application/vnd.aenv.frozen-layer.v1+json"
 # Fields of a snapshot record that travel with it (the rest are local paths and state).
 PORTABLE_FIELDS = (
@@ -130,7 +143,8 @@ class ImageFile:
     name: str
     size: int
     sha256: str  # hex digest of the whole file (the local checksum)
-    chunks: tuple[str, ...]  # digests of its CHUNK_SIZE pieces, in order
+    chunks: tuple[str, ...] = ()  # version 1: digests of its CHUNK_SIZE pieces, in order
+    pagemap: str | None = None  # version 2: digest of its page map blob (aenv.proto.pagemap)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +174,13 @@ def dump_manifest(m: Manifest) -> bytes:
         "image": None
         if m.image is None
         else [
-            {"name": f.name, "size": f.size, "sha256": f.sha256, "chunks": list(f.chunks)}
+            {
+                "name": f.name,
+                "size": f.size,
+                "sha256": f.sha256,
+                "chunks": list(f.chunks),
+                "pagemap": f.pagemap,
+            }
             for f in m.image
         ],
         "blobs": list(m.blobs),
@@ -189,8 +209,10 @@ def load_manifest(raw: bytes) -> Manifest:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadManifest(f"not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
-        raise BadManifest("not a version 1 snapshot manifest")
+    if not isinstance(doc, dict) or doc.get("version") not in _READABLE_VERSIONS:
+        raise BadManifest(
+            f"not a snapshot manifest of version {' or '.join(map(str, _READABLE_VERSIONS))}"
+        )
     try:
         record = doc["record"]
         if not isinstance(record, dict):
@@ -211,6 +233,9 @@ def load_manifest(raw: bytes) -> Manifest:
                     size=int(f["size"]),
                     sha256=str(f["sha256"]),
                     chunks=tuple(_digest(c, "image chunk") for c in f["chunks"]),
+                    pagemap=None
+                    if f.get("pagemap") is None
+                    else _digest(f["pagemap"], "image page map"),
                 )
                 for f in doc["image"]
             )
@@ -438,7 +463,9 @@ class UploadReport:
     uploaded: int = 0  # written by this upload (absent before)
     bytes_uploaded: int = 0
     layer_bytes: int = 0  # of those, file contents and layer indexes
-    image_bytes: int = 0  # of those, memory image chunks
+    image_bytes: int = 0  # of those, memory image packs and page maps
+    image_pages: int = 0  # pages of the memory image
+    reused_pages: int = 0  # of those, found in the store already (not uploaded)
 
 
 # Layer indexes computed by this process, by layer id and tree (layers are immutable).
@@ -468,6 +495,92 @@ async def _put_missing(
     return len(data)
 
 
+@dataclass(frozen=True)
+class PagedFile:
+    """One memory image file planned as pages: what it reuses, what it must store."""
+
+    name: str
+    path: Path
+    plan: pagemap.Plan
+    new: tuple[str, ...]  # digests of the new packs, by group
+    map: pagemap.PageMap
+    map_blob: bytes
+    map_digest: str
+
+    def blobs(self) -> set[str]:
+        return {pk.digest for pk in self.map.packs} | {self.map_digest}
+
+
+# Page maps by blob digest, and the map digests of snapshot manifests, that this
+# process has read or written (both immutable); bounded, oldest dropped first.
+_MAP_CACHE_SIZE = 16
+_maps: OrderedDict[str, pagemap.PageMap] = OrderedDict()
+_manifest_maps: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+
+
+def _remember(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > _MAP_CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+async def _page_map(store: ObjectStore, digest: str) -> pagemap.PageMap:
+    cached = _maps.get(digest)
+    if cached is None:
+        cached = await trio.to_thread.run_sync(unpack_map, await store.get_blob(digest))
+        _remember(_maps, digest, cached)
+    return cached
+
+
+async def base_maps(store: ObjectStore, snapshot_ids: Sequence[str]) -> list[pagemap.PageMap]:
+    """The page maps of those snapshots' memory images: pages a new upload may reuse.
+
+    A snapshot gone from the store, or one whose image is not paged, offers
+    nothing; an unreadable map is skipped (the upload then stores those pages
+    itself). StoreUnavailable passes through.
+    """
+    maps: list[pagemap.PageMap] = []
+    for sid in snapshot_ids:
+        digests = _manifest_maps.get(sid)
+        if digests is None:
+            try:
+                m = await fetch_manifest(store, sid, by_id=True)
+            except SnapshotUnavailable:
+                continue
+            if m is None:
+                continue
+            digests = tuple(f.pagemap for f in m.image or () if f.pagemap is not None)
+            _remember(_manifest_maps, sid, digests)
+        for digest in digests:
+            try:
+                maps.append(await _page_map(store, digest))
+            except (ObjectNotFound, CorruptObject, pagemap.BadPageMap):
+                continue
+    return maps
+
+
+async def _plan_image(
+    image: Path,
+    names: Iterable[str],
+    known: dict[bytes, tuple[pagemap.Pack, int]],
+    io: trio.CapacityLimiter,
+) -> list[PagedFile]:
+    out = []
+    for name in sorted(names):
+        path = image / name
+        size, hashes = await trio.to_thread.run_sync(hash_pages, path, limiter=io)
+        plan = await trio.to_thread.run_sync(pagemap.plan, size, hashes, known, limiter=io)
+        new = []
+        for group in plan.groups:
+            blob = await trio.to_thread.run_sync(build_pack, path, group, limiter=io)
+            new.append(blob_digest(blob))
+        pmap = plan.finish(new)
+        raw = await trio.to_thread.run_sync(pack_map, pmap, limiter=io)
+        out.append(PagedFile(name, path, plan, tuple(new), pmap, raw, blob_digest(raw)))
+    return out
+
+
 async def upload_snapshot(
     store: ObjectStore,
     *,
@@ -476,57 +589,73 @@ async def upload_snapshot(
     layers: Sequence[LocalLayer],
     image: Path | None,
     checksums: dict[str, str],
+    image_bases: Sequence[str] = (),
     concurrency: int = 8,
 ) -> UploadReport:
     """Upload one snapshot and write its manifest last; idempotent, so a retry resumes.
 
     `layers` is the snapshot's whole stack, topmost first; `image` the
     directory of its memory image (None: filesystem only) whose files have
-    the sha256 hex digests `checksums`.
+    the sha256 hex digests `checksums`. The image is stored as pages
+    (aenv.proto.pagemap): pages the images of the snapshots `image_bases`
+    already have in the store (say, earlier snapshots of the same sandbox)
+    are referenced, not uploaded again.
     """
     io = trio.CapacityLimiter(2)
     report = UploadReport()
     indexes = []
     for layer in layers:
         indexes.append(await trio.to_thread.run_sync(_encoded_index, layer, limiter=io))
-    files: list[tuple[Path, tuple[Chunk, ...]]] = []
-    if image is not None:
-        for name in sorted(checksums):
-            path = image / name
-            files.append((path, await trio.to_thread.run_sync(file_chunks, path, limiter=io)))
+    known: dict[bytes, tuple[pagemap.Pack, int]] = {}
+    maps: list[pagemap.PageMap] = []
+    if image is not None and image_bases:
+        maps = await base_maps(store, image_bases)
+        known = await trio.to_thread.run_sync(pagemap.known_from, maps, limiter=io)
+    paged = [] if image is None else await _plan_image(image, checksums, known, io)
     stored_layers = tuple(
         StoredLayer(id=la.id, below=la.below, index=digest)
         for la, (_i, _raw, digest) in zip(layers, indexes, strict=True)
     )
-    image_files = (
-        None
-        if image is None
-        else tuple(
-            ImageFile(
-                name=path.name,
-                size=sum(c.size for c in chunks),
-                sha256=checksums[path.name],
-                chunks=tuple(c.digest for c in chunks),
-            )
-            for path, chunks in files
-        )
-    )
-    blobs: set[str] = set()
+    layer_blobs: set[str] = set()
     for index, _raw, digest in indexes:
-        blobs.add(digest)
-        blobs.update(c.digest for e in index.entries for c in e.chunks)
-    for _path, chunks in files:
-        blobs.update(c.digest for c in chunks)
-    manifest = Manifest(
-        snapshot_id=snapshot_id,
-        record={k: record[k] for k in PORTABLE_FIELDS if k in record},
-        layers=stored_layers,
-        image=image_files,
-        blobs=tuple(sorted(blobs)),
-    )
-    report.blobs = len(blobs)
-    raw_manifest = dump_manifest(manifest)
-    await store.put(pending_key(snapshot_id), raw_manifest)
+        layer_blobs.add(digest)
+        layer_blobs.update(c.digest for e in index.entries for c in e.chunks)
+
+    def manifest_of(paged: Sequence[PagedFile]) -> Manifest:
+        blobs = set(layer_blobs)
+        for f in paged:
+            blobs |= f.blobs()
+        return Manifest(
+            snapshot_id=snapshot_id,
+            record={k: record[k] for k in PORTABLE_FIELDS if k in record},
+            layers=stored_layers,
+            image=None
+            if image is None
+            else tuple(
+                ImageFile(
+                    name=f.name, size=f.map.size, sha256=checksums[f.name], pagemap=f.map_digest
+                )
+                for f in paged
+            ),
+            blobs=tuple(sorted(blobs)),
+        )
+
+    manifest = manifest_of(paged)
+    await store.put(pending_key(snapshot_id), dump_manifest(manifest))
+    # Reused packs are checked only now that the pending manifest protects them from a
+    # collector; one gone since its snapshot was deleted is stored afresh.
+    reused = {pk.digest for f in paged for pk in f.plan.old}
+    gone = frozenset([d for d in sorted(reused) if not await store.has_blob(d)])
+    if gone:
+        known = await trio.to_thread.run_sync(
+            functools.partial(pagemap.known_from, maps, missing=gone), limiter=io
+        )
+        paged = await _plan_image(image, checksums, known, io) if image is not None else []
+        manifest = manifest_of(paged)
+        await store.put(pending_key(snapshot_id), dump_manifest(manifest))
+    report.blobs = len(manifest.blobs)
+    report.reused_pages = sum(f.plan.reused_pages for f in paged)
+    report.image_pages = sum(f.map.pages for f in paged)
 
     sem = trio.Semaphore(concurrency)
 
@@ -567,11 +696,20 @@ async def upload_snapshot(
         done.add(digest)
     with one_error():
         async with trio.open_nursery() as n:
-            for path, chunks in files:
-                for d, read in chunk_jobs((path, c) for c in chunks):
-                    n.start_soon(one, d, read, "image")
+            for f in paged:
+                for d, group in zip(f.new, f.plan.groups, strict=True):
+                    if d not in done:
+                        done.add(d)
+                        n.start_soon(one, d, functools.partial(build_pack, f.path, group), "image")
+    for f in paged:  # a map after its packs
+        if f.map_digest not in done:
+            done.add(f.map_digest)
+            await one(f.map_digest, functools.partial(bytes, f.map_blob), "image")
+        _remember(_maps, f.map_digest, f.map)
+    if image is not None:
+        _remember(_manifest_maps, snapshot_id, tuple(f.map_digest for f in paged))
 
-    await store.put(manifest_key(snapshot_id), raw_manifest)
+    await store.put(manifest_key(snapshot_id), dump_manifest(manifest))
     if manifest.name:
         await _point_name(store, manifest)
     await store.delete(pending_key(snapshot_id))
@@ -708,6 +846,7 @@ async def download_image(
     io = trio.CapacityLimiter(2)
     await trio.to_thread.run_sync(dest.mkdir)
     pieces: list[tuple[Path, Chunk]] = []
+    paged: list[tuple[Path, pagemap.PageMap]] = []
     for f in m.image:
         path = dest / f.name
 
@@ -716,12 +855,19 @@ async def download_image(
                 out.truncate(size)
 
         await trio.to_thread.run_sync(create, limiter=io)
+        if f.pagemap is not None:
+            paged.append((path, await _stored_map(store, m.snapshot_id, f)))
+            continue
         offset = 0
         for i, digest in enumerate(f.chunks):
             size = min(CHUNK_SIZE, f.size - i * CHUNK_SIZE)
             pieces.append((path, Chunk(digest, size, offset)))
             offset += size
-    await _fill(store, m.snapshot_id, pieces, concurrency, io)
+    with one_error():
+        async with trio.open_nursery() as n:
+            n.start_soon(_fill, store, m.snapshot_id, pieces, concurrency, io)
+            for path, pmap in paged:
+                n.start_soon(_fill_pages, store, m.snapshot_id, path, pmap, concurrency, io)
     sums: dict[str, str] = {}
     for f in m.image:
         actual = await trio.to_thread.run_sync(_file_sha256, dest / f.name, limiter=io)
@@ -733,6 +879,49 @@ async def download_image(
         sums[f.name] = actual
     await trio.to_thread.run_sync(fsync_tree, dest, limiter=io)
     return sums
+
+
+async def _stored_map(store: ObjectStore, snapshot_id: str, f: ImageFile) -> pagemap.PageMap:
+    assert f.pagemap is not None
+    raw = await _blob(store, snapshot_id, f.pagemap)
+    try:
+        pmap = await trio.to_thread.run_sync(unpack_map, raw)
+    except pagemap.BadPageMap as exc:
+        raise _unavailable(
+            snapshot_id, f"page map {blob_key(f.pagemap)!r} of {f.name} is malformed", exc
+        ) from None
+    if pmap.size != f.size:
+        raise SnapshotUnavailable(
+            f"snapshot {snapshot_id}: page map {blob_key(f.pagemap)!r} describes "
+            f"{pmap.size} bytes, the manifest {f.size} for {f.name}"
+        )
+    return pmap
+
+
+async def _fill_pages(
+    store: ObjectStore,
+    snapshot_id: str,
+    path: Path,
+    pmap: pagemap.PageMap,
+    concurrency: int,
+    io: trio.CapacityLimiter,
+) -> None:
+    sem = trio.Semaphore(concurrency)
+
+    async def one(p: int, placements: list[tuple[int, int]]) -> None:
+        pack = pmap.packs[p]
+        async with sem:
+            data = await _blob(store, snapshot_id, pack.digest)
+        try:
+            raw = await trio.to_thread.run_sync(open_pack, data, pack, limiter=io)
+        except BadPack as exc:
+            raise _unavailable(snapshot_id, f"pack {blob_key(pack.digest)!r}", exc) from None
+        await trio.to_thread.run_sync(write_pages, path, pmap, raw, placements, limiter=io)
+
+    with one_error():
+        async with trio.open_nursery() as n:
+            for p, placements in pmap.placements().items():
+                n.start_soon(one, p, placements)
 
 
 # -- deleting and garbage collection ----------------------------------------------------

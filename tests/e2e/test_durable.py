@@ -29,6 +29,7 @@ from e2b.exceptions import SandboxException
 
 # Fixtures are imported by name, so test parameters shadow them (F811).
 # ruff: noqa: F811
+from aenv.storage.memimage import unpack_map
 from tests.conftest import (
     NodeProc,
     built_home,
@@ -308,7 +309,11 @@ def test_a_corrupt_or_missing_object_fails_the_restore_and_leaves_nothing(
         src.kill()
     nodes.stop()
     m = nodes.manifest(sid)
-    chunk = m["image"][0]["chunks"][0]
+    pages = next(f for f in m["image"] if f["name"] == "pages.img")
+    got = nodes.s3.boto().get_object(
+        Bucket=nodes.s3.bucket, Key=f"{nodes.prefix}/{_blob_key(pages['pagemap'])}"
+    )
+    chunk = unpack_map(got["Body"].read()).packs[0].digest  # a pack of guest memory pages
     nodes.overwrite(_blob_key(chunk), b"garbage")
 
     nodes.start("b")

@@ -391,3 +391,127 @@ async def test_deleting_a_names_newest_points_the_name_at_the_one_before(
     assert await demo() is None
     assert "names/demo" not in backend.list_keys()
     assert await fetch_manifest(backend.store, "other", by_id=False) is not None
+
+
+# -- memory images as pages ------------------------------------------------------------
+
+
+def _sums(d: Path) -> dict[str, str]:
+    import hashlib
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in d.iterdir()}
+
+
+def _guest_image(root: Path, pages: list[bytes], state: bytes) -> Path:
+    root.mkdir(parents=True)
+    (root / "pages.img").write_bytes(b"".join(pages))
+    (root / "checkpoint.img").write_bytes(state)
+    return root
+
+
+async def _upload_image(
+    backend: Backend, sid: str, image: Path, bases: tuple[str, ...] = ()
+) -> Any:
+    return await upload_snapshot(
+        backend.store,
+        snapshot_id=sid,
+        record={**RECORD, "name": None, "names": []},
+        layers=[],
+        image=image,
+        checksums=_sums(image),
+        image_bases=bases,
+    )
+
+
+async def test_a_later_image_stores_only_the_pages_that_changed(
+    backend: Backend, tmp_path: Path
+) -> None:
+    pages = [os.urandom(4096) for _ in range(2048)]  # 8 MiB of guest memory
+    state = b"kernel state " * 5000
+    first = await _upload_image(backend, "snap-1", _guest_image(tmp_path / "i1", pages, state))
+    assert first.reused_pages == 0 and first.image_bytes > 8 * MiB
+    # 64 pages rewritten, one inserted (moving the rest), the state file grown
+    pages[100:164] = [os.urandom(4096) for _ in range(64)]
+    pages.insert(1000, os.urandom(4096))
+    image = _guest_image(tmp_path / "i2", pages, state + b"more")
+    second = await _upload_image(backend, "snap-2", image, ("snap-1", "snap-gone"))
+    print(f"first {first.image_bytes} B, second {second.image_bytes} B")
+    assert second.reused_pages >= 2048 - 64
+    assert second.image_bytes < 65 * 4096 + 64 * 1024  # the new pages, the state, the maps
+    m = await fetch_manifest(backend.store, "snap-2", by_id=True)
+    assert m is not None
+    got = await download_image(backend.store, m, tmp_path / "back")
+    assert got == _sums(image)
+    assert (tmp_path / "back" / "pages.img").read_bytes() == b"".join(pages)
+    # the first snapshot deleted and collected: the second keeps every page it uses
+    await delete_snapshot(backend.store, "snap-1", None)
+    await collect_garbage(backend.store, grace_s=0)
+    got = await download_image(backend.store, m, tmp_path / "back2")
+    assert got == _sums(image)
+
+
+async def test_a_base_whose_packs_are_gone_is_stored_afresh(
+    backend: Backend, tmp_path: Path
+) -> None:
+    pages = [os.urandom(4096) for _ in range(512)]
+    await _upload_image(backend, "snap-1", _guest_image(tmp_path / "i1", pages, b"s"))
+    await delete_snapshot(backend.store, "snap-1", None)
+    await collect_garbage(backend.store, grace_s=0)
+    # this process still remembers snap-1's map, whose packs the collector removed
+    image = _guest_image(tmp_path / "i2", pages, b"s")
+    report = await _upload_image(backend, "snap-2", image, ("snap-1",))
+    assert report.reused_pages == 0 and report.image_bytes > 2 * MiB
+    m = await fetch_manifest(backend.store, "snap-2", by_id=True)
+    assert m is not None
+    assert await download_image(backend.store, m, tmp_path / "back") == _sums(image)
+
+
+async def test_a_corrupt_pack_or_map_fails_naming_it(backend: Backend, tmp_path: Path) -> None:
+    from aenv.storage.memimage import unpack_map
+
+    image = _guest_image(tmp_path / "i", [os.urandom(4096) for _ in range(300)], b"s")
+    await _upload_image(backend, "snap-p", image)
+    m = await fetch_manifest(backend.store, "snap-p", by_id=True)
+    assert m is not None and m.image is not None
+    f = next(f for f in m.image if f.name == "pages.img")
+    assert f.pagemap is not None
+    pack = unpack_map(await backend.store.get_blob(f.pagemap)).packs[1].digest
+    backend.tamper(blob_key(pack), b"not a pack")
+    with pytest.raises(SnapshotUnavailable, match=rf"snap-p.*{blob_key(pack)}.*corrupt"):
+        await download_image(backend.store, m, tmp_path / "b1")
+    await backend.store.delete(blob_key(pack))
+    with pytest.raises(SnapshotUnavailable, match=rf"snap-p.*{blob_key(pack)}.*missing"):
+        await download_image(backend.store, m, tmp_path / "b2")
+    backend.tamper(blob_key(f.pagemap), b"garbage")
+    with pytest.raises(SnapshotUnavailable, match=rf"snap-p.*{blob_key(f.pagemap)}.*corrupt"):
+        await download_image(backend.store, m, tmp_path / "b3")
+
+
+async def test_a_version_1_manifest_with_chunked_images_still_restores(
+    backend: Backend, tmp_path: Path
+) -> None:
+    import hashlib
+    import json
+
+    data = os.urandom(2 * MiB + 10)
+    chunks = [await backend.store.put_blob(data[i : i + MiB]) for i in range(0, len(data), MiB)]
+    doc = {
+        "version": 1,
+        "snapshotID": "snap-v1",
+        "record": RECORD,
+        "layers": [],
+        "image": [
+            {
+                "name": "checkpoint.img",
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "chunks": chunks,
+            }
+        ],
+        "blobs": sorted(chunks),
+    }
+    await backend.store.put(manifest_key("snap-v1"), json.dumps(doc).encode())
+    m = await fetch_manifest(backend.store, "snap-v1", by_id=True)
+    assert m is not None
+    await download_image(backend.store, m, tmp_path / "back")
+    assert (tmp_path / "back" / "checkpoint.img").read_bytes() == data
