@@ -173,6 +173,8 @@ class Durable:
                             "imageBytes": report.image_bytes,
                             "blobs": report.blobs,
                             "uploadedBlobs": report.uploaded,
+                            "imagePages": report.image_pages,
+                            "reusedPages": report.reused_pages,
                         },
                     )
                     log.info(

@@ -271,29 +271,44 @@ def test_killing_the_store_mid_upload_leaves_it_uploading_until_it_returns(
 def test_ten_snapshots_store_the_changes_not_ten_copies(nodes: Nodes) -> None:
     nodes.start("a")
     s = Sandbox.create(TEMPLATE, timeout=600)
-    rows: list[tuple[str, int, int, int]] = []
+    rows: list[tuple[str, int, int, int, int, int]] = []
     try:
         for i in range(10):
             s.commands.run(f"head -c {MiB} /dev/urandom > $HOME/new-{i}.bin")
             info = nodes.snapshot(s.sandbox_id, durable=True)
             up = nodes.get(f"/snapshots/{info['snapshotID']}").json()["storageUpload"]
-            rows.append((info["snapshotID"], up["layerBytes"], up["imageBytes"], up["bytes"]))
+            rows.append(
+                (
+                    info["snapshotID"],
+                    up["layerBytes"],
+                    up["imageBytes"],
+                    up["bytes"],
+                    up["imagePages"],
+                    up["reusedPages"],
+                )
+            )
     finally:
         s.kill()
     layer = sum(r[1] for r in rows)
     image = sum(r[2] for r in rows)
+    raw_image = sum(r[4] for r in rows) * 4096
     stored = sum(nodes.objects("blobs/").values())
     full_copies = sum((i + 1) * MiB for i in range(10))  # each stack holds every earlier MiB
-    print("\nsnapshot                 layer bytes  image bytes  total")
-    for sid, lb, ib, tb in rows:
-        print(f"{sid}  {lb:>11}  {ib:>11}  {tb:>11}")
+    print("\nsnapshot                 layer bytes  image bytes  total        pages  reused")
+    for sid, lb, ib, tb, pages, reused in rows:
+        print(f"{sid}  {lb:>11}  {ib:>11}  {tb:>11}  {pages:>6}  {reused:>6}")
     print(
         f"sum: file data {layer / MiB:.2f} MiB (10 full copies would be "
-        f"{full_copies / MiB:.0f} MiB), memory images {image / MiB:.2f} MiB, "
-        f"store holds {stored / MiB:.2f} MiB of blobs"
+        f"{full_copies / MiB:.0f} MiB), memory images {image / MiB:.2f} MiB stored for "
+        f"{raw_image / MiB:.2f} MiB of images, store holds {stored / MiB:.2f} MiB of blobs"
     )
     assert 10 * MiB <= layer < 12 * MiB
     assert stored == sum(r[3] for r in rows)  # every byte uploaded once
+    # memory: the first image whole (compressed), later ones only the pages that changed
+    assert rows[0][5] == 0
+    for _sid, _lb, ib, _tb, pages, reused in rows[1:]:
+        assert reused > pages * 0.75, (reused, pages)
+        assert ib < rows[0][2] * 0.4, (ib, rows[0][2])
     for sid, *_ in rows:
         assert nodes.delete(f"/snapshots/{sid}").status_code == 204
 
