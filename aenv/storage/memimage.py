@@ -20,7 +20,7 @@ import zstandard
 
 from aenv.proto.pagemap import HASH_BYTES, PAGE_SIZE, BadPageMap, Pack, PageMap, decode, encode
 
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # 400 MB/s for 1/4 of the size of gVisor's pages here (level 3: 250, 0.23)
 _READ = 256 * PAGE_SIZE
 _MAX_MAP_BYTES = 1 << 30
 
@@ -41,19 +41,28 @@ def hash_pages(path: Path) -> tuple[int, bytes]:
     return size, bytes(out)
 
 
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(a, b) pairs as runs (a0, b0, n) where both go up by one page at a time."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs
+
+
 def build_pack(path: Path, pages: Sequence[int]) -> bytes:
     """The compressed blob of a new pack: `pages` of `path`, each padded to PAGE_SIZE."""
-    raw = bytearray()
+    raw = bytearray(len(pages) * PAGE_SIZE)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        for i in pages:
-            page = os.pread(fd, PAGE_SIZE, i * PAGE_SIZE)
-            raw += page
-            if len(page) < PAGE_SIZE:
-                raw += bytes(PAGE_SIZE - len(page))
+        for first, slot, n in _runs([(i, k) for k, i in enumerate(pages)]):
+            got = os.pread(fd, n * PAGE_SIZE, first * PAGE_SIZE)
+            raw[slot * PAGE_SIZE : slot * PAGE_SIZE + len(got)] = got
     finally:
         os.close(fd)
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(bytes(raw))
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
 
 
 def open_pack(data: bytes, pack: Pack) -> bytes:
@@ -70,11 +79,12 @@ def open_pack(data: bytes, pack: Pack) -> bytes:
 
 def write_pages(path: Path, m: PageMap, raw: bytes, placements: Sequence[tuple[int, int]]) -> None:
     """Write the (page, slot) pairs of one pack's pages `raw` into `path`."""
+    view = memoryview(raw)
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        for i, slot in placements:
-            at = slot * PAGE_SIZE
-            os.pwrite(fd, raw[at : at + m.page_len(i)], i * PAGE_SIZE)
+        for first, slot, n in _runs(placements):
+            size = (n - 1) * PAGE_SIZE + m.page_len(first + n - 1)
+            os.pwrite(fd, view[slot * PAGE_SIZE : slot * PAGE_SIZE + size], first * PAGE_SIZE)
     finally:
         os.close(fd)
 

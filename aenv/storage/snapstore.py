@@ -514,6 +514,7 @@ class PagedFile:
 # Page maps by blob digest, and the map digests of snapshot manifests, that this
 # process has read or written (both immutable); bounded, oldest dropped first.
 _MAP_CACHE_SIZE = 16
+_KEPT_PACK_BYTES = 256 * 1024 * 1024  # new packs kept from planning to upload, at most
 _maps: OrderedDict[str, pagemap.PageMap] = OrderedDict()
 _manifest_maps: OrderedDict[str, tuple[str, ...]] = OrderedDict()
 
@@ -565,16 +566,30 @@ async def _plan_image(
     names: Iterable[str],
     known: dict[bytes, tuple[pagemap.Pack, int]],
     io: trio.CapacityLimiter,
+    packs: dict[str, bytes],
 ) -> list[PagedFile]:
+    """Plan every file of the image; new packs are built (on `io`'s threads) to learn
+    their digests, and kept in `packs` while they fit in _KEPT_PACK_BYTES."""
     out = []
+    kept = [sum(map(len, packs.values()))]
     for name in sorted(names):
         path = image / name
         size, hashes = await trio.to_thread.run_sync(hash_pages, path, limiter=io)
         plan = await trio.to_thread.run_sync(pagemap.plan, size, hashes, known, limiter=io)
-        new = []
-        for group in plan.groups:
+        new = [""] * len(plan.groups)
+
+        async def build(
+            k: int, group: tuple[int, ...], path: Path = path, new: list[str] = new
+        ) -> None:
             blob = await trio.to_thread.run_sync(build_pack, path, group, limiter=io)
-            new.append(blob_digest(blob))
+            new[k] = blob_digest(blob)
+            if kept[0] + len(blob) <= _KEPT_PACK_BYTES:
+                kept[0] += len(blob)
+                packs[new[k]] = blob
+
+        async with trio.open_nursery() as n:
+            for k, group in enumerate(plan.groups):
+                n.start_soon(build, k, group)
         pmap = plan.finish(new)
         raw = await trio.to_thread.run_sync(pack_map, pmap, limiter=io)
         out.append(PagedFile(name, path, plan, tuple(new), pmap, raw, blob_digest(raw)))
@@ -611,7 +626,8 @@ async def upload_snapshot(
     if image is not None and image_bases:
         maps = await base_maps(store, image_bases)
         known = await trio.to_thread.run_sync(pagemap.known_from, maps, limiter=io)
-    paged = [] if image is None else await _plan_image(image, checksums, known, io)
+    packs: dict[str, bytes] = {}  # new packs built while planning, by digest
+    paged = [] if image is None else await _plan_image(image, checksums, known, io, packs)
     stored_layers = tuple(
         StoredLayer(id=la.id, below=la.below, index=digest)
         for la, (_i, _raw, digest) in zip(layers, indexes, strict=True)
@@ -650,7 +666,8 @@ async def upload_snapshot(
         known = await trio.to_thread.run_sync(
             functools.partial(pagemap.known_from, maps, missing=gone), limiter=io
         )
-        paged = await _plan_image(image, checksums, known, io) if image is not None else []
+        if image is not None:
+            paged = await _plan_image(image, checksums, known, io, packs)
         manifest = manifest_of(paged)
         await store.put(pending_key(snapshot_id), dump_manifest(manifest))
     report.blobs = len(manifest.blobs)
@@ -700,7 +717,13 @@ async def upload_snapshot(
                 for d, group in zip(f.new, f.plan.groups, strict=True):
                     if d not in done:
                         done.add(d)
-                        n.start_soon(one, d, functools.partial(build_pack, f.path, group), "image")
+                        kept = packs.pop(d, None)
+                        read = (
+                            functools.partial(build_pack, f.path, group)
+                            if kept is None
+                            else functools.partial(bytes, kept)
+                        )
+                        n.start_soon(one, d, read, "image")
     for f in paged:  # a map after its packs
         if f.map_digest not in done:
             done.add(f.map_digest)
