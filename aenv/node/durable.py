@@ -121,7 +121,7 @@ class Durable:
         self._nursery.start_soon(self._upload, snap_id, scope)
 
     async def resume(self) -> None:
-        """Restart the uploads an earlier node process left unfinished."""
+        """Restart the uploads and template shares an earlier node process left unfinished."""
         for doc in await self.node.snapshots.list():
             if doc.get("storage") == "uploading":
                 if self.store is None:
@@ -129,6 +129,10 @@ class Durable:
                     continue
                 log.info("resuming the upload of snapshot %s", doc["snapshotID"])
                 self.spawn(doc)
+        if self.store is not None:  # after the uploads: a built template waits for its snapshot
+            for template in await trio.to_thread.run_sync(self.node.templates.share_pending):
+                log.info("resuming the share of template %s", template.template_id)
+                self.share_template(template)
 
     async def _upload(self, snap_id: str, scope: trio.CancelScope) -> None:
         assert self.store is not None
@@ -241,16 +245,21 @@ class Durable:
 
     async def _share_template(self, template: Template) -> None:
         assert self.store is not None
+        templates = self.node.templates
+        await trio.to_thread.run_sync(templates.mark_share_pending, template.template_id, True)
         if template.snapshot_id is not None:  # a built template: its snapshot first
             while True:
                 try:
                     doc = await self.wait_durable(template.snapshot_id)
                 except CorruptSnapshot:
-                    return  # deleted (a rebuild replaced it)
+                    doc = {"storage": "local"}  # deleted (a rebuild replaced it)
                 if doc.get("storage") == "durable":
                     break
-                if doc.get("storage") == "local":
-                    return  # kept on this node only
+                if doc.get("storage") == "local":  # kept on this node only
+                    await trio.to_thread.run_sync(
+                        templates.mark_share_pending, template.template_id, False
+                    )
+                    return
                 await trio.sleep(RETRY_MAX_S)
         delay = RETRY_BASE_S
         while True:
@@ -269,10 +278,11 @@ class Durable:
                 await trio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
         try:  # deleted meanwhile: not in the store either
-            await trio.to_thread.run_sync(self.node.templates.resolve, template.template_id)
+            await trio.to_thread.run_sync(templates.resolve, template.template_id)
         except TemplateNotFound:
             await self.unshare_template(template.template_id)
         else:
+            await trio.to_thread.run_sync(templates.mark_share_pending, template.template_id, False)
             log.info("template %s is in the object store", template.template_id)
 
     async def unshare_template(self, template_id: str) -> None:

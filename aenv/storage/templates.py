@@ -39,6 +39,9 @@ from aenv.proto.ids import InvalidName, check_name
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "template.json"
+# In a template's directory while it is still to be put in the object store
+# (aenv.node.durable): a node that stops before the share finishes resumes it.
+SHARE_PENDING_FILE = "share-pending"
 ROOTFS_DIR = "rootfs"
 METADATA_VERSION = 1
 # Version of the envd API reported for templates until envd states its own.
@@ -619,6 +622,21 @@ class TemplateStore:
             self._publish(template)
         log.info("adopted template %s from the object store", template_id)
         return template
+
+    def mark_share_pending(self, template_id: str, pending: bool) -> None:
+        """Record (or clear) that the template is still to be put in the object store."""
+        marker = self.root / check_name(template_id) / SHARE_PENDING_FILE
+        if pending:
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                write_atomic(marker, b"")
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                marker.unlink()
+                fsync_dir(marker.parent)
+
+    def share_pending(self) -> Sequence[Template]:
+        """The templates whose share was asked for and has not finished."""
+        return [t for t in self.list() if (self.root / t.template_id / SHARE_PENDING_FILE).exists()]
 
     def delete(self, name_or_id: str) -> None:
         """Remove a template (by ID or alias) and its root filesystem."""

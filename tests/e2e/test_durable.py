@@ -412,3 +412,35 @@ def test_a_built_template_reaches_a_node_that_never_saw_it(nodes: Nodes) -> None
     finally:
         s.kill()
     nodes.stop()
+
+
+def test_a_template_share_cut_by_a_node_stop_finishes_after_the_restart(nodes: Nodes) -> None:
+    """With the store down, a build finishes on node A but neither its snapshot nor
+    the template reach the store; A stops. Once the store and A are back, A finishes
+    both unasked, and node B (fresh home) starts the template by name."""
+    nodes.start("a")
+    nodes.s3.stop()
+    try:
+        info = Template.build(
+            Template().from_template("base").run_cmd("echo shared-late > /home/user/b.txt"),
+            "late-share",
+        )
+        time.sleep(1.0)  # the share is waiting for the snapshot's upload, which retries
+    finally:
+        nodes.stop()
+        nodes.s3.start()
+    assert f"templates/{info.template_id}.json" not in nodes.objects("templates/")
+    nodes.start("a")
+    deadline = time.monotonic() + 120
+    while f"templates/{info.template_id}.json" not in nodes.objects("templates/"):
+        assert time.monotonic() < deadline, "the restarted node never shared the template"
+        time.sleep(0.2)
+    nodes.stop()
+
+    nodes.start("b")
+    s = Sandbox.create("late-share", timeout=60)
+    try:
+        assert s.commands.run("cat b.txt").stdout == "shared-late\n"
+    finally:
+        s.kill()
+    nodes.stop()
