@@ -215,6 +215,8 @@ class Durable:
             image=image,
             checksums=dict(doc.get("checksums") or {}),
             image_bases=bases,
+            # blobs about to be reused that a collector could soon take as garbage
+            refresh_after_s=self.grace_s / 2 if self.grace_s > 0 else None,
         )
 
     async def wait_durable(

@@ -597,10 +597,14 @@ class ObjectStore:
 
     # -- content-addressed blobs ------------------------------------------------------
 
-    async def put_blob(self, data: bytes | Path, *, digest: str | None = None) -> str:
+    async def put_blob(
+        self, data: bytes | Path, *, digest: str | None = None, rewrite: bool = False
+    ) -> str:
         """Store content under its sha256 unless already there; returns "sha256:<hex>".
 
         If `digest` is given, the content must hash to it (else `CorruptObject`).
+        With `rewrite`, the blob is written even if present (the same bytes: what
+        changes is its modification time, which garbage collection reads).
         A file must not change while it is being stored.
         """
         if digest is not None:
@@ -608,7 +612,7 @@ class ObjectStore:
         actual = await trio.to_thread.run_sync(_sha256_of, data, limiter=self._limiter)
         if digest is not None and digest != actual:
             raise CorruptObject(f"content hashes to {actual}, not the given {digest}")
-        await self.put(blob_key(actual), data, if_absent=True)
+        await self.put(blob_key(actual), data, if_absent=not rewrite)
         return actual
 
     async def get_blob(self, digest: str) -> bytes:
@@ -628,6 +632,9 @@ class ObjectStore:
 
     async def has_blob(self, digest: str) -> bool:
         return await self.exists(blob_key(digest))
+
+    async def blob_info(self, digest: str) -> ObjectInfo | None:
+        return await self.head(blob_key(digest))
 
 
 def _sha256_of(data: bytes | Path) -> str:

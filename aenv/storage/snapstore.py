@@ -75,8 +75,10 @@ from aenv.storage.memimage import (
 from aenv.storage.objstore import (
     BLOB_PREFIX,
     CorruptObject,
+    ObjectInfo,
     ObjectNotFound,
     ObjectStore,
+    StoreError,
     StoreUnavailable,
     blob_key,
 )
@@ -106,6 +108,7 @@ PORTABLE_FIELDS = (
 _OVL_PREFIX = "trusted.overlay."
 _OPAQUE = "trusted.overlay.opaque"
 DEFAULT_PENDING_TTL_S = 7 * 24 * 3600.0
+RELIST_S = 1.0  # a collector re-reads pending manifests this often while it deletes
 
 
 class SnapshotUnavailable(Exception):
@@ -466,6 +469,7 @@ class UploadReport:
     image_bytes: int = 0  # of those, memory image packs and page maps
     image_pages: int = 0  # pages of the memory image
     reused_pages: int = 0  # of those, found in the store already (not uploaded)
+    rewritten: int = 0  # blobs present but old, written again (see _Refresh)
 
 
 # Layer indexes computed by this process, by layer id and tree (layers are immutable).
@@ -484,15 +488,54 @@ def _encoded_index(layer: LocalLayer) -> tuple[LayerIndex, bytes, str]:
     return index, raw, digest
 
 
+def _age_s(info: ObjectInfo) -> float:
+    return (dt.datetime.now(dt.UTC) - info.last_modified).total_seconds()
+
+
+class _Refresh:
+    """Blobs an upload relies on that a collector could take as garbage: present,
+    but older than `after_s` (a grace period's half). The upload writes them again,
+    which makes them young, and checks them once more after its manifest."""
+
+    def __init__(self, after_s: float | None) -> None:
+        self.after_s = after_s
+        self.rewritten: list[tuple[str, Callable[[], bytes] | None]] = []
+
+    def old(self, info: ObjectInfo | None) -> bool:
+        return info is not None and self.after_s is not None and _age_s(info) >= self.after_s
+
+
 async def _put_missing(
-    store: ObjectStore, digest: str, read: Callable[[], bytes], limiter: trio.CapacityLimiter
+    store: ObjectStore,
+    digest: str,
+    read: Callable[[], bytes],
+    limiter: trio.CapacityLimiter,
+    refresh: _Refresh,
 ) -> int:
-    """Upload a blob unless the store has it; the bytes written (0 if present)."""
-    if await store.has_blob(digest):
+    """Upload a blob unless the store has it (rewriting it if old); the new bytes written."""
+    info = await store.blob_info(digest)
+    if info is not None and not refresh.old(info):
         return 0
     data = await trio.to_thread.run_sync(read, limiter=limiter)
-    await store.put_blob(data, digest=digest)
+    await store.put_blob(data, digest=digest, rewrite=info is not None)
+    if info is not None:
+        refresh.rewritten.append((digest, read))
+        return 0
     return len(data)
+
+
+async def _recheck(store: ObjectStore, snapshot_id: str, refresh: _Refresh) -> None:
+    """After the manifest: every rewritten blob must still be there (a collector that
+    read it as old just before the rewrite may have deleted it since)."""
+    for digest, read in refresh.rewritten:
+        if await store.has_blob(digest):
+            continue
+        if read is None:
+            raise StoreError(
+                f"snapshot {snapshot_id}: blob {blob_key(digest)} was collected during the "
+                "upload; uploading again"
+            )
+        await store.put_blob(await trio.to_thread.run_sync(read), digest=digest)
 
 
 @dataclass(frozen=True)
@@ -605,6 +648,7 @@ async def upload_snapshot(
     image: Path | None,
     checksums: dict[str, str],
     image_bases: Sequence[str] = (),
+    refresh_after_s: float | None = None,
     concurrency: int = 8,
 ) -> UploadReport:
     """Upload one snapshot and write its manifest last; idempotent, so a retry resumes.
@@ -614,9 +658,13 @@ async def upload_snapshot(
     the sha256 hex digests `checksums`. The image is stored as pages
     (aenv.proto.pagemap): pages the images of the snapshots `image_bases`
     already have in the store (say, earlier snapshots of the same sandbox)
-    are referenced, not uploaded again.
+    are referenced, not uploaded again. Blobs already stored but older than
+    `refresh_after_s` (half the collector's grace period) are written again
+    (see `_Refresh`): an upload never relies on a blob a collector could
+    take for garbage because nothing referenced it when it listed manifests.
     """
     io = trio.CapacityLimiter(2)
+    refresh = _Refresh(refresh_after_s)
     report = UploadReport()
     indexes = []
     for layer in layers:
@@ -661,7 +709,7 @@ async def upload_snapshot(
     # Reused packs are checked only now that the pending manifest protects them from a
     # collector; one gone since its snapshot was deleted is stored afresh.
     reused = {pk.digest for f in paged for pk in f.plan.old}
-    gone = frozenset([d for d in sorted(reused) if not await store.has_blob(d)])
+    gone = frozenset([d for d in sorted(reused) if not await _keep_pack(store, d, refresh)])
     if gone:
         known = await trio.to_thread.run_sync(
             functools.partial(pagemap.known_from, maps, missing=gone), limiter=io
@@ -678,7 +726,7 @@ async def upload_snapshot(
 
     async def one(digest: str, read: Callable[[], bytes], kind: str) -> None:
         async with sem:
-            n = await _put_missing(store, digest, read, io)
+            n = await _put_missing(store, digest, read, io, refresh)
         if n:
             report.uploaded += 1
             report.bytes_uploaded += n
@@ -702,7 +750,9 @@ async def upload_snapshot(
         return jobs
 
     for layer, (index, raw, digest) in zip(layers, indexes, strict=True):
-        if digest in done or await store.has_blob(digest):
+        if digest in done:
+            continue
+        if (info := await store.blob_info(digest)) is not None and not refresh.old(info):
             continue  # an index is stored after its chunks: they are there too
         pairs = [(layer.tree / e.path, c) for e in index.entries for c in e.chunks]
         with one_error():
@@ -733,10 +783,27 @@ async def upload_snapshot(
         _remember(_manifest_maps, snapshot_id, tuple(f.map_digest for f in paged))
 
     await store.put(manifest_key(snapshot_id), dump_manifest(manifest))
+    await _recheck(store, snapshot_id, refresh)
+    report.rewritten = len(refresh.rewritten)
     if manifest.name:
         await _point_name(store, manifest)
     await store.delete(pending_key(snapshot_id))
     return report
+
+
+async def _keep_pack(store: ObjectStore, digest: str, refresh: _Refresh) -> bool:
+    """Whether an upload may reference a stored pack: present, and rewritten if old
+    (fetched and put back: the pack holds other images' pages too)."""
+    info = await store.blob_info(digest)
+    if info is None:
+        return False
+    if refresh.old(info):
+        try:
+            await store.put_blob(await store.get_blob(digest), digest=digest, rewrite=True)
+        except (ObjectNotFound, CorruptObject):
+            return False
+        refresh.rewritten.append((digest, None))
+    return True
 
 
 async def _point_name(store: ObjectStore, m: Manifest) -> None:
@@ -997,36 +1064,25 @@ async def collect_garbage(
     """Delete blobs no manifest or image layer references that are older than `grace_s`.
 
     Blobs are listed before manifests, so a blob uploaded and referenced
-    after the listing is either not a candidate or marked. A pending
-    manifest or image layer index older than `pending_ttl_s` (an upload
-    abandoned by a node that never came back) no longer protects its blobs.
-    An unreadable manifest or layer index stops the collection
+    after the listing is either not a candidate or marked. Pending manifests
+    are listed again before the deletes and every RELIST_S during them (an
+    upload that began meanwhile marks what it reuses), and each candidate is
+    looked at once more just before its delete: one an upload rewrote
+    (`upload_snapshot`'s refresh of old blobs) is young again and stays. A
+    pending manifest or image layer index older than `pending_ttl_s` (an
+    upload abandoned by a node that never came back) no longer protects its
+    blobs. An unreadable manifest or layer index stops the collection
     (StoreUnavailable or SnapshotUnavailable): never guess what it referenced.
     """
     report = GcReport()
     blobs = await store.list(BLOB_PREFIX)
     report.blobs = len(blobs)
+    fixed_now = now
     now = now or dt.datetime.now(dt.UTC)
     marked: set[str] = set()
+    read: set[str] = set()
     for prefix in (MANIFEST_PREFIX, PENDING_PREFIX):
-        for info in await store.list(prefix):
-            if (
-                prefix == PENDING_PREFIX
-                and (now - info.last_modified).total_seconds() > pending_ttl_s
-            ):
-                continue
-            try:
-                raw = await store.get(info.key)
-            except ObjectNotFound:
-                continue  # deleted meanwhile: its blobs are garbage now
-            try:
-                m = load_manifest(raw)
-            except BadManifest as exc:
-                raise SnapshotUnavailable(
-                    f"garbage collection stopped: {info.key!r}: {exc}"
-                ) from None
-            report.manifests += 1
-            marked.update(m.blobs)
+        await _mark_manifests(store, prefix, now, pending_ttl_s, marked, read, report)
     # Pending first: an upload writes the layer's index before it deletes the pending one.
     for prefix in (IMAGE_PENDING_PREFIX, IMAGE_LAYER_PREFIX):
         for info in await store.list(prefix):
@@ -1054,6 +1110,7 @@ async def collect_garbage(
                 ) from None
             report.image_layers += 1
             marked.update(c.digest for e in index.entries for c in e.chunks)
+    candidates = []
     for info in blobs:
         digest = "sha256:" + info.key.rsplit("/", 1)[-1]
         if digest in marked:
@@ -1061,10 +1118,53 @@ async def collect_garbage(
         if (now - info.last_modified).total_seconds() < grace_s:
             report.kept_young += 1
             continue
+        candidates.append((digest, info))
+    listed_at = -RELIST_S
+    for digest, info in candidates:
+        if trio.current_time() - listed_at >= RELIST_S:
+            await _mark_manifests(store, PENDING_PREFIX, now, pending_ttl_s, marked, read, report)
+            listed_at = trio.current_time()
+        if digest in marked:
+            continue
+        current = await store.head(info.key)
+        if current is None:
+            continue
+        at = fixed_now or dt.datetime.now(dt.UTC)
+        if (at - current.last_modified).total_seconds() < grace_s:
+            report.kept_young += 1  # rewritten by an upload since the listing
+            continue
         await store.delete(info.key)
         report.deleted += 1
         report.bytes_deleted += info.size
     return report
+
+
+async def _mark_manifests(
+    store: ObjectStore,
+    prefix: str,
+    now: dt.datetime,
+    pending_ttl_s: float,
+    marked: set[str],
+    read: set[str],
+    report: GcReport,
+) -> None:
+    """Mark the blobs of the manifests under `prefix` not `read` yet."""
+    for info in await store.list(prefix):
+        if info.key in read:
+            continue
+        if prefix == PENDING_PREFIX and (now - info.last_modified).total_seconds() > pending_ttl_s:
+            continue
+        try:
+            raw = await store.get(info.key)
+        except ObjectNotFound:
+            continue  # deleted meanwhile: its blobs are garbage now
+        try:
+            m = load_manifest(raw)
+        except BadManifest as exc:
+            raise SnapshotUnavailable(f"garbage collection stopped: {info.key!r}: {exc}") from None
+        read.add(info.key)
+        report.manifests += 1
+        marked.update(m.blobs)
 
 
 __all__ = [

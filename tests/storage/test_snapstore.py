@@ -515,3 +515,64 @@ async def test_a_version_1_manifest_with_chunked_images_still_restores(
     assert m is not None
     await download_image(backend.store, m, tmp_path / "back")
     assert (tmp_path / "back" / "checkpoint.img").read_bytes() == data
+
+
+class _UploadOnFirstDeleteCheck:
+    """The collector's view of the store: just before its first delete (the HEAD of a
+    candidate), an upload that reuses the candidate runs to completion."""
+
+    def __init__(self, store: ObjectStore, upload: Callable[[], Any]) -> None:
+        self._store = store
+        self._upload: Callable[[], Any] | None = upload
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def head(self, key: str) -> Any:
+        if key.startswith("blobs/") and self._upload is not None:
+            upload, self._upload = self._upload, None
+            await upload()
+        return await self._store.head(key)
+
+
+async def test_an_upload_reusing_garbage_while_it_is_collected_keeps_it(
+    backend: Backend, tmp_path: Path
+) -> None:
+    tree = tmp_path / "l1" / "tree"
+    tree.mkdir(parents=True)
+    (tree / "data").write_bytes(os.urandom(MiB + 5))
+    layer = LocalLayer(id="l1", below=(), tree=tree)
+    await upload_snapshot(
+        backend.store,
+        snapshot_id="snap-1",
+        record=RECORD,
+        layers=[layer],
+        image=None,
+        checksums={},
+    )
+    await delete_snapshot(backend.store, "snap-1", "demo")  # its blobs are garbage now
+    await trio.sleep(2.2)  # ... and older than the collector's grace
+
+    reports = []
+
+    async def upload() -> None:
+        reports.append(
+            await upload_snapshot(
+                backend.store,
+                snapshot_id="snap-2",
+                record=RECORD,
+                layers=[layer],
+                image=None,
+                checksums={},
+                refresh_after_s=1.0,
+            )
+        )
+
+    collector = _UploadOnFirstDeleteCheck(backend.store, upload)
+    gc = await collect_garbage(collector, grace_s=2.0)  # type: ignore[arg-type]
+    assert reports and reports[0].rewritten >= 2 and reports[0].bytes_uploaded == 0
+    assert gc.deleted == 0, gc
+    m = await fetch_manifest(backend.store, "snap-2", by_id=True)
+    assert m is not None
+    await materialise_layer(backend.store, "snap-2", m.layers[0], tmp_path / "back")
+    assert (tmp_path / "back" / "data").read_bytes() == (tree / "data").read_bytes()
