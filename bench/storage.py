@@ -8,6 +8,8 @@ One run starts moto's S3 server on loopback (tests/s3.py) and measures:
   an empty prefix (`upload_snapshot`: hashing, HEADs, PUTs of 1 MiB
   blobs, manifest), then fetched back (`materialise_layer` +
   `download_image`, every blob verified); MB/s of content, `--n` rounds;
+- what a second snapshot of the same sandbox, 1 MiB of file data later,
+  uploads (memory pages already stored are referenced, not sent again);
 - time to resume from a snapshot through the real e2b SDK, `Sandbox.create(id)`
   until a first `commands.run("true")` returns: warm (the node has the
   snapshot locally) and cold (a node with a fresh home, same store, never
@@ -201,6 +203,19 @@ def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[st
         r.raise_for_status()
         sid = r.json()["snapshotID"]
         detail = httpx.get(f"{node.url}/snapshots/{sid}", headers={"X-API-Key": key}).json()
+        # a later snapshot of the same sandbox: only what changed goes up (pages, files)
+        s.commands.run(f"head -c {MiB} /dev/urandom > $HOME/more.bin")
+        t0 = time.perf_counter()
+        r = httpx.post(
+            f"{node.url}/sandboxes/{s.sandbox_id}/snapshots",
+            json={"durable": True},
+            headers={"X-API-Key": key},
+            timeout=600,
+        )
+        second_wait = time.perf_counter() - t0
+        r.raise_for_status()
+        sid2 = r.json()["snapshotID"]
+        detail2 = httpx.get(f"{node.url}/snapshots/{sid2}", headers={"X-API-Key": key}).json()
         s.kill()
     finally:
         env.restore()
@@ -219,6 +234,8 @@ def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[st
     return {
         "snapshot_durable_s": round(snapshot_wait, 3),
         "snapshot_upload": detail.get("storageUpload"),
+        "second_snapshot_durable_s": round(second_wait, 3),
+        "second_snapshot_upload": detail2.get("storageUpload"),
         "cold_s": stats(cold),
         "warm_s": stats(warm),
     }
@@ -251,6 +268,13 @@ def main() -> None:
             print(
                 f"snapshot with {args.data_mb} MiB of data durable in {rs['snapshot_durable_s']}s "
                 f"(uploaded {rs['snapshot_upload']})"
+            )
+            up2 = rs["second_snapshot_upload"] or {}
+            print(
+                f"the next snapshot, 1 MiB of file data later, durable in "
+                f"{rs['second_snapshot_durable_s']}s: {up2.get('bytes')} bytes uploaded "
+                f"({up2.get('imageBytes')} of memory: {up2.get('reusedPages')} of "
+                f"{up2.get('imagePages')} pages already stored)"
             )
             for kind in ("cold", "warm"):
                 st = rs[f"{kind}_s"]
