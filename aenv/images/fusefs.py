@@ -93,6 +93,10 @@ class _Image:
     tree: ImageTree
     content_bytes: int
     handles: int = 0
+    # Where a copy of the tree lies on local disk (`serve_local`): files opened
+    # from then on are read from it, not through the chunk cache.
+    local: Path | None = None
+    paths: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -100,6 +104,7 @@ class _File:
     image: _Image
     inode: Inode
     starts: list[int]  # offset in the file of each chunk
+    fd: int | None = None  # the local copy's file, when the image has one
 
 
 @dataclass(slots=True)
@@ -170,6 +175,13 @@ class ImageFS(pyfuse3.Operations):
         del self._slots[key]
         del self._images[slot]
         self._root_mtime_ns = time.time_ns()
+
+    def serve_local(self, key: str, root: Path) -> None:
+        """Read the files of `key` opened from now on from `root`, a local copy of its
+        tree (same paths, same contents), instead of through the chunk cache."""
+        image = self._images[self._slots[key]]
+        image.paths = {node.ino: path for path, node in image.tree.walk()}
+        image.local = root
 
     def keys(self) -> list[str]:
         return list(self._slots)
@@ -391,7 +403,15 @@ class ImageFS(pyfuse3.Operations):
         for chunk in node.chunks:
             starts.append(pos)
             pos += chunk.size
-        fh = self._new_handle(_File(image, node, starts))
+        fd = None
+        if image.local is not None:
+            local = image.local / image.paths[node.ino]
+            try:
+                fd = await trio.to_thread.run_sync(os.open, local, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                log.error("the local copy of %s lacks %s: %s", image.key, local, exc)
+                raise pyfuse3.FUSEError(errno.EIO) from None
+        fh = self._new_handle(_File(image, node, starts, fd))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     @_guarded
@@ -404,6 +424,10 @@ class ImageFS(pyfuse3.Operations):
         if off >= end:
             return b""
         self._reads += 1
+        if handle.fd is not None:
+            data = await trio.to_thread.run_sync(os.pread, handle.fd, end - off, off)
+            self._bytes_served += len(data)
+            return data
         pieces = []
         i = bisect.bisect_right(handle.starts, off) - 1
         pos = off
@@ -428,6 +452,9 @@ class ImageFS(pyfuse3.Operations):
 
     @_guarded
     async def release(self, fh: int) -> None:
+        handle = self._handles.get(fh)
+        if isinstance(handle, _File) and handle.fd is not None:
+            os.close(handle.fd)
         self._drop_handle(fh)
 
 

@@ -26,13 +26,14 @@ is immutable afterwards and safe to share between readers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aenv.proto.layerindex import Chunk, Entry, Kind, LayerIndex
 
-__all__ = ["ROOT_INO", "ImageTree", "Inode", "TreeError"]
+__all__ = ["OPAQUE_XATTR", "ROOT_INO", "ImageTree", "Inode", "TreeError"]
 
 ROOT_INO = 1
+OPAQUE_XATTR = "trusted.overlay.opaque"
 
 
 class TreeError(ValueError):
@@ -261,6 +262,29 @@ class ImageTree:
                     1 for c in node.children.values() if b.inodes[c].kind is Kind.DIR
                 )
         return cls(b.inodes)
+
+    @classmethod
+    def of_layer(cls, layer: LayerIndex) -> ImageTree:
+        """One layer as overlayfs reads it as a lower directory, merged with nothing:
+        whiteouts stay as 0/0 character devices and opaque markers become the
+        `trusted.overlay.opaque` xattr of their directory (the frozen upper as
+        it was on disk, so the host's overlayfs applies them to the lowers below)."""
+        entries: list[Entry] = []
+        opaque: list[str] = []
+        for e in layer.entries:
+            if e.kind is Kind.WHITEOUT:
+                entries.append(Entry(path=e.path, kind=Kind.CHAR, mode=0))
+            elif e.kind is Kind.OPAQUE:
+                opaque.append(e.path)
+            else:
+                entries.append(e)
+        tree = cls.build([replace(layer, entries=tuple(entries))])
+        for path in opaque:
+            node = tree.resolve(path)
+            if node is None or node.kind is not Kind.DIR:
+                raise TreeError(f"opaque marker on {path!r}, which is not a directory")
+            node.xattrs[OPAQUE_XATTR] = b"y"
+        return tree
 
     def __getitem__(self, ino: int) -> Inode:
         return self.inodes[ino]

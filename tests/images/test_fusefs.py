@@ -422,3 +422,82 @@ async def test_reap_a_mount_left_by_a_killed_server(tmp_path: Path) -> None:
         assert str(mnt) not in await in_thread(Path("/proc/mounts").read_text)
     finally:  # never leave a dead mount behind in tmp_path
         await in_thread(lambda: subprocess.run(["umount", "-l", str(mnt)], capture_output=True))
+
+
+def _frozen_upper(root: Path) -> Path:
+    """An overlay upper as a pause leaves it: a whiteout, an opaque directory, new files."""
+    upper = root / "frozen"
+    (upper / "dir").mkdir(parents=True)
+    os.mknod(upper / "gone", stat.S_IFCHR | 0o000, os.makedev(0, 0))
+    os.setxattr(upper / "dir", "trusted.overlay.opaque", b"y")
+    (upper / "dir" / "c").write_bytes(b"only c is left in dir")
+    (upper / "big").write_bytes(BIG)
+    return upper
+
+
+def _tree_view(top: Path) -> dict[str, tuple[int, bytes]]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(top))
+            out[rel] = (stat.S_IFMT(os.lstat(p).st_mode), p.read_bytes() if p.is_file() else b"")
+    return out
+
+
+async def test_a_frozen_layer_served_raw_stacks_like_its_directory(tmp_path: Path) -> None:
+    """A snapshot layer restored lazily: its index served with whiteouts and opaque
+    markers kept, so the host overlay over it and the base shows what it showed over
+    the frozen directory itself; `serve_local` then reads from a local copy."""
+    from dataclasses import replace
+
+    from aenv.storage.snapstore import index_layer
+
+    base = tmp_path / "base"
+    (base / "dir").mkdir(parents=True)
+    (base / "dir" / "a").write_bytes(b"a")
+    (base / "gone").write_bytes(b"whited out")
+    (base / "keep").write_bytes(b"kept")
+    upper = _frozen_upper(tmp_path)
+    index = replace(await in_thread(lambda: index_layer(upper)), digest=LAYER)
+    async with mounted(tmp_path) as m:
+        m.origin.chunks.update(
+            {
+                c.digest: (upper / e.path).read_bytes()[c.offset : c.offset + c.size]
+                for e in index.entries
+                for c in e.chunks
+            }
+        )
+        m.fs.add("layer", ImageTree.of_layer(index))
+
+        def view(lower: Path) -> dict[str, tuple[int, bytes]]:
+            name = lower.name
+            up, work, merged = (tmp_path / f"{name}-{d}" for d in ("up", "work", "merged"))
+            for d in (up, work, merged):
+                d.mkdir()
+            opts = f"lowerdir={lower}:{base},upperdir={up},workdir={work}"
+            subprocess.run(
+                ["mount", "-t", "overlay", "overlay", "-o", opts, str(merged)],
+                check=True,
+                capture_output=True,
+            )
+            try:
+                return _tree_view(merged)
+            finally:
+                subprocess.run(["umount", str(merged)], check=True)
+
+        want = await in_thread(lambda: view(upper))
+        assert set(want) == {"dir", "dir/c", "keep", "big"}
+        assert await in_thread(lambda: view(m.mnt / "layer")) == want
+        fetched = len(m.origin.fetched)
+        assert fetched >= 3  # BIG came through the cache
+        m.fs.serve_local("layer", upper)
+        m.origin.error = RuntimeError("the store is gone")  # nothing may come from it now
+        await in_thread(lambda: subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"]))
+        before = m.cache.statistics()
+        assert await in_thread(lambda: (m.mnt / "layer" / "big").read_bytes()) == BIG
+        assert await in_thread(lambda: (m.mnt / "layer" / "dir" / "c").read_bytes()) == (
+            b"only c is left in dir"
+        )
+        after = m.cache.statistics()
+        assert (after.hits, after.misses) == (before.hits, before.misses)  # not the cache
