@@ -61,6 +61,11 @@ class Config:
     store_url: str | None = None
     # Store blobs no manifest references are deleted once older than this (seconds).
     store_gc_grace_s: float = 3600.0
+    # A snapshot restored from the store starts with its layers served on demand
+    # (AENV_LAZY_RESTORE); they are copied to disk in the background after
+    # AENV_LAZY_MATERIALISE_AFTER seconds.
+    lazy_restore: bool = True
+    lazy_materialise_after_s: float = 0.0
     # Registries images may come from (None: any), registries reachable over
     # plain HTTP, and mirrors tried before a registry ({registry: (urls...)}).
     registry_allow: tuple[str, ...] | None = None
@@ -167,6 +172,15 @@ class Config:
             kw["store_url"] = env["AENV_STORE_URL"].strip()
         if env.get("AENV_STORE_GC_GRACE"):
             kw["store_gc_grace_s"] = float(env["AENV_STORE_GC_GRACE"])
+        if env.get("AENV_LAZY_RESTORE"):
+            kw["lazy_restore"] = env["AENV_LAZY_RESTORE"].strip().lower() not in (
+                "0",
+                "false",
+                "no",
+                "off",
+            )
+        if env.get("AENV_LAZY_MATERIALISE_AFTER"):
+            kw["lazy_materialise_after_s"] = float(env["AENV_LAZY_MATERIALISE_AFTER"])
         if env.get("AENV_CACHE_MAX_BYTES"):
             kw["cache_max_bytes"] = parse_size(env["AENV_CACHE_MAX_BYTES"])
         if "AENV_REGISTRY_ALLOW" in env:

@@ -27,6 +27,8 @@ any more once older than the grace period.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import secrets
@@ -41,6 +43,9 @@ from aenv.images.store import ImageNotPulled, ImageRecord
 from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot
 from aenv.node.warm import is_internal
 from aenv.proto.ids import InvalidName, check_name
+from aenv.proto.imagetree import ImageTree, TreeError
+from aenv.proto.layerindex import BadIndex, LayerIndex
+from aenv.proto.layerindex import loads as load_index
 from aenv.storage.layers import LayerError
 from aenv.storage.objstore import (
     ObjectNotFound,
@@ -54,9 +59,11 @@ from aenv.storage.snapstore import (
     LocalLayer,
     Manifest,
     SnapshotUnavailable,
+    StoredLayer,
     collect_garbage,
     delete_snapshot,
     download_image,
+    fetch_layer_index,
     fetch_manifest,
     materialise_layer,
     one_error,
@@ -82,6 +89,7 @@ def image_record_key(key: str) -> str:
 
 
 UPLOAD_CONCURRENCY = 2  # snapshots uploading at once
+LAZY_KEY_PREFIX = "layer-"  # image mount directories of layers served on demand
 RETRY_BASE_S = 0.5
 RETRY_MAX_S = 10.0
 WAIT_DURABLE_S = 600.0
@@ -101,6 +109,7 @@ class Durable:
         self._restoring: dict[str, trio.Lock] = {}
         self._found: dict[str, Manifest] = {}
         self._gc_lock = trio.Lock()
+        self._serving: dict[str, trio.Lock] = {}
         self._gc_again = False
         node.snapshots.storage_for = self._initial_storage
         node.snapshots.on_delete = self._deleted
@@ -204,7 +213,8 @@ class Durable:
         stack = []
         for lid in doc.get("layers") or ():
             layer = await trio.to_thread.run_sync(layers.get, str(lid))
-            stack.append(LocalLayer(id=layer.id, below=layer.below, tree=layer.path))
+            stored = await trio.to_thread.run_sync(layers.stored_index, layer.id)
+            stack.append(LocalLayer(id=layer.id, below=layer.below, tree=layer.path, index=stored))
         image = Path(doc["image"]) if doc.get("image") else None
         bases = image_bases(doc, await self.node.snapshots.list()) if image is not None else []
         return await upload_snapshot(
@@ -430,12 +440,17 @@ class Durable:
         layers, snapshots = self.node.layers, self.node.snapshots
         present = await trio.to_thread.run_sync(layers.ids)
         staged: list[tuple[Path, Any]] = []
+        lazy: list[StoredLayer] = []
         image_dir: Path | None = None
         start = trio.current_time()
         store = self.store
         try:
             for sl in m.layers:
-                if sl.id not in present:
+                if sl.id in present:
+                    continue
+                if self.node.config.lazy_restore:
+                    lazy.append(sl)
+                else:
                     staged.append((await trio.to_thread.run_sync(layers.new_staging), sl))
             sums: dict[str, str] = {}
             if m.image is not None:
@@ -445,18 +460,37 @@ class Durable:
             async def image(into: Path) -> None:
                 sums.update(await download_image(store, m, into))
 
-            # every missing layer and the memory image at once
+            served: list[tuple[StoredLayer, bytes, LayerIndex, Path]] = []
+
+            async def serve(sl: StoredLayer) -> None:
+                raw, index = await fetch_layer_index(store, m.snapshot_id, sl)
+                served.append((sl, raw, index, await self._serve_lazy(sl.id, sl.index, raw, index)))
+
+            # every missing layer (or its index, to serve it on demand) and the memory
+            # image at once
             with one_error():
                 async with trio.open_nursery() as nursery:
                     for staging, sl in staged:
                         nursery.start_soon(
                             materialise_layer, store, m.snapshot_id, sl, staging / "tree"
                         )
+                    for sl in lazy:
+                        nursery.start_soon(serve, sl)
                     if image_dir is not None:
                         nursery.start_soon(image, image_dir / "image")
             for staging, sl in staged:
                 await layers.adopt(staging, sl.id, below=sl.below, base=[template.rootfs])
             staged.clear()
+            for sl, raw, index, target in served:
+                await layers.adopt_lazy(
+                    sl.id,
+                    below=sl.below,
+                    base=[template.rootfs],
+                    target=target,
+                    index=raw,
+                    size_bytes=index.content_bytes,
+                )
+                self._nursery.start_soon(self._materialise, sl.id)
             doc = await snapshots.adopt(
                 doc={
                     **m.record,
@@ -480,6 +514,84 @@ class Durable:
             trio.current_time() - start,
         )
         return doc
+
+    # -- layers served on demand ---------------------------------------------------------
+
+    async def _serve_lazy(self, layer_id: str, digest: str, raw: bytes, index: LayerIndex) -> Path:
+        """Show a stored layer's index raw on the image mount (once); its directory there."""
+        images = self.node.images
+        key = LAZY_KEY_PREFIX + layer_id
+        lock = self._serving.setdefault(key, trio.Lock())
+        async with lock:
+            if key not in await images.mount.call(images.mount.fs.keys):
+                try:
+                    tree = await trio.to_thread.run_sync(
+                        ImageTree.of_layer, dataclasses.replace(index, digest=digest)
+                    )
+                except TreeError as exc:
+                    raise SnapshotUnavailable(
+                        f"layer {layer_id}: its index cannot be served: {exc}"
+                    ) from None
+                await images.mount.call(images.mount.fs.add, key, tree)
+        return images.path(key)
+
+    async def serve_lazy_layers(self) -> None:
+        """At start: serve again the layers an earlier process restored on demand and
+        had not copied to disk yet (before any sandbox mounts them), and copy them."""
+        layers = self.node.layers
+        for layer_id in sorted(await trio.to_thread.run_sync(layers.lazy_ids)):
+            raw = await trio.to_thread.run_sync(layers.stored_index, layer_id)
+            try:
+                if raw is None:
+                    raise SnapshotUnavailable("its index is missing")
+                index = await trio.to_thread.run_sync(load_index, raw)
+                await self._serve_lazy(
+                    layer_id, "sha256:" + hashlib.sha256(raw).hexdigest(), raw, index
+                )
+            except (BadIndex, SnapshotUnavailable) as exc:
+                log.error("layer %s cannot be served: %s", layer_id, exc)
+                continue
+            if self.store is not None:
+                self._nursery.start_soon(self._materialise, layer_id)
+
+    async def _materialise(self, layer_id: str) -> None:
+        """Copy a layer served on demand to local disk, retrying while the store fails;
+        then its open-from-now-on files are read from disk, not through the store."""
+        assert self.store is not None
+        layers, images = self.node.layers, self.node.images
+        await trio.sleep(self.node.config.lazy_materialise_after_s)
+        delay = RETRY_BASE_S
+        while True:
+            try:
+                layer = await trio.to_thread.run_sync(layers.get, layer_id)
+                raw = await trio.to_thread.run_sync(layers.stored_index, layer_id)
+                if raw is None:
+                    return
+                sl = StoredLayer(
+                    id=layer_id,
+                    below=layer.below,
+                    index="sha256:" + hashlib.sha256(raw).hexdigest(),
+                )
+                staging = await trio.to_thread.run_sync(layers.new_staging)
+                try:
+                    await materialise_layer(self.store, f"(layer {layer_id})", sl, staging / "tree")
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(_remove, staging)
+                    raise
+                layer = await layers.materialise(layer_id, staging)
+                await images.mount.call(
+                    images.mount.fs.serve_local, LAZY_KEY_PREFIX + layer_id, layer.path
+                )
+                log.info("layer %s is on disk", layer_id)
+                return
+            except LayerError as exc:
+                log.info("layer %s is not copied to disk: %s", layer_id, exc)
+                return  # deleted, or copied by another task
+            except (StoreError, SnapshotUnavailable, OSError) as exc:
+                log.warning("copying layer %s failed, retrying in %.1fs: %s", layer_id, delay, exc)
+                await trio.sleep(delay)
+                delay = min(RETRY_MAX_S, delay * 2)
 
     # -- deletion and garbage collection --------------------------------------------------
 

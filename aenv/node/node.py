@@ -589,9 +589,10 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         )
         # snapshots and paused sandboxes survive a restart: other layers are garbage
         await node.layers.gc(await node.snapshots.layer_ids() | await node.paused_layer_ids())
+        images.attach_store(node.durable.store)  # image layers shared via the store
+        await node.durable.serve_lazy_layers()  # before anything mounts them
         await node.recover_paused()
         await node.durable.resume()  # unfinished snapshot uploads
-        images.attach_store(node.durable.store)  # image layers shared via the store
         if config.hibernate_memory_low_pct > 0:
             nursery.start_soon(
                 pressure.watch,

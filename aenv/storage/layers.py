@@ -72,6 +72,12 @@ _FICLONE = 0x40049409
 # Coarser than any kernel timestamp tick (HZ=100 gives 10 ms).
 _CTIME_TICK_NS = 20_000_000
 _TREE = "tree"
+# A layer restored from the object store keeps its index (the stored bytes) here;
+# until its files are on disk (lazy), its `tree` is a symlink to where the image
+# mount serves that index, and `tree.new` is the directory swapped in once complete.
+_INDEX = "index.json"
+_TREE_NEW = "tree.new"
+_RENAME_EXCHANGE = 2
 
 
 class LayerError(RuntimeError):
@@ -272,6 +278,78 @@ class LayerStore:
                 )
             )
 
+    async def adopt_lazy(
+        self,
+        layer_id: str,
+        *,
+        below: Sequence[str],
+        base: Sequence[Path],
+        target: Path,
+        index: bytes,
+        size_bytes: int,
+    ) -> Layer:
+        """Publish layer `layer_id` whose tree is served elsewhere for now (`target`, a
+        directory of the image mount), with its stored `index`; `materialise` swaps
+        the real tree in later. An existing layer of that id is returned as it is."""
+        async with self._lock:
+            if layer_id in await trio.to_thread.run_sync(self.ids):
+                return self.get(layer_id)
+            _read_layer_id_check(layer_id)
+
+            def run() -> Layer:
+                _, staging = self._staging()
+                os.symlink(target, staging / _TREE)
+                _write_durably(staging / _INDEX, index)
+                return self._publish(
+                    layer_id,
+                    staging,
+                    below=tuple(below),
+                    base=tuple(Path(p) for p in base),
+                    moved_from=None,
+                    size_bytes=size_bytes,
+                )
+
+            return await trio.to_thread.run_sync(run)
+
+    def stored_index(self, layer_id: str) -> bytes | None:
+        """The object store's index of a layer restored from it (None: made here)."""
+        _read_layer_id_check(layer_id)
+        try:
+            return (self.layers_dir / layer_id / _INDEX).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def lazy_ids(self) -> set[str]:
+        """Layers whose tree is not on disk yet (blocking); clears half-done swaps."""
+        out = set()
+        for layer_id in self.ids():
+            d = self.layers_dir / layer_id
+            if (d / _TREE_NEW).exists() or (d / _TREE_NEW).is_symlink():
+                _unlink_any(d / _TREE_NEW)
+            if (d / _TREE).is_symlink():
+                out.add(layer_id)
+        return out
+
+    async def materialise(self, layer_id: str, staging: Path) -> Layer:
+        """Swap `staging/tree` (complete) in for a lazy layer's symlink, atomically."""
+        async with self._lock:
+
+            def run() -> Layer:
+                d = self.layers_dir / layer_id
+                try:
+                    if not (d / _TREE).is_symlink():
+                        raise LayerError(f"layer {layer_id} is not lazy (any more)")
+                    _syncfs(staging / _TREE)
+                    os.rename(staging / _TREE, d / _TREE_NEW)
+                    _exchange(d / _TREE_NEW, d / _TREE)
+                    _unlink_any(d / _TREE_NEW)
+                    fsync_dir(d)
+                finally:
+                    _rmtree(staging)
+                return self.get(layer_id)
+
+            return await trio.to_thread.run_sync(run)
+
     # -- compaction --------------------------------------------------------
 
     async def compact(self, stack: LayerStack) -> Layer:
@@ -355,6 +433,7 @@ class LayerStore:
         below: tuple[str, ...],
         base: tuple[Path, ...],
         moved_from: Path | None,
+        size_bytes: int | None = None,
     ) -> Layer:
         """Write the metadata, fsync, rename the staging directory into place."""
         final = self.layers_dir / layer_id
@@ -363,7 +442,7 @@ class LayerStore:
                 "id": layer_id,
                 "below": list(below),
                 "base": [str(p) for p in base],
-                "size_bytes": _tree_size(staging / _TREE),
+                "size_bytes": _tree_size(staging / _TREE) if size_bytes is None else size_bytes,
                 "created": time.time(),
             }
             _write_durably(staging / _META, json.dumps(meta, indent=1).encode())
@@ -451,6 +530,25 @@ def _syncfs(path: Path) -> None:
             os.sync()
     finally:
         os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """renameat2(RENAME_EXCHANGE): swap two names atomically (a directory and a symlink)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd = -100
+    if _libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE):
+        err = ctypes.get_errno()
+        raise LayerError(f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def _unlink_any(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        _rmtree(path)
 
 
 def _rmtree(path: Path) -> None:

@@ -453,11 +453,13 @@ def one_error() -> Iterator[None]:
 
 @dataclass(frozen=True, kw_only=True)
 class LocalLayer:
-    """A frozen layer to upload: its id, what it was frozen over, its tree."""
+    """A frozen layer to upload: its id, what it was frozen over, its tree; for a
+    layer restored from the store, the index it was stored with (not computed again)."""
 
     id: str
     below: tuple[str, ...]
     tree: Path
+    index: bytes | None = None
 
 
 @dataclass
@@ -481,8 +483,12 @@ def _encoded_index(layer: LocalLayer) -> tuple[LayerIndex, bytes, str]:
     cached = _index_cache.get(key)
     if cached is not None:
         return cached
-    index = index_layer(layer.tree)
-    raw = dumps(index)
+    if layer.index is not None:
+        raw = layer.index
+        index = loads(raw)
+    else:
+        index = index_layer(layer.tree)
+        raw = dumps(index)
     digest = "sha256:" + hashlib.sha256(raw).hexdigest()
     _index_cache[key] = (index, raw, digest)
     return index, raw, digest
@@ -873,17 +879,24 @@ async def _blob(store: ObjectStore, snapshot_id: str, digest: str) -> bytes:
         raise _unavailable(snapshot_id, f"object {blob_key(digest)!r} is corrupt", exc) from None
 
 
-async def materialise_layer(
-    store: ObjectStore, snapshot_id: str, layer: StoredLayer, tree: Path, *, concurrency: int = 8
-) -> int:
-    """Build `tree` (which must not exist) from the layer's index; returns content bytes."""
+async def fetch_layer_index(
+    store: ObjectStore, snapshot_id: str, layer: StoredLayer
+) -> tuple[bytes, LayerIndex]:
+    """A stored layer's index: the blob (verified) and what it says."""
     raw = await _blob(store, snapshot_id, layer.index)
     try:
-        index = loads(raw)
+        return raw, await trio.to_thread.run_sync(loads, raw)
     except BadIndex as exc:
         raise _unavailable(
             snapshot_id, f"layer index {blob_key(layer.index)!r} is malformed", exc
         ) from None
+
+
+async def materialise_layer(
+    store: ObjectStore, snapshot_id: str, layer: StoredLayer, tree: Path, *, concurrency: int = 8
+) -> int:
+    """Build `tree` (which must not exist) from the layer's index; returns content bytes."""
+    _raw, index = await fetch_layer_index(store, snapshot_id, layer)
     io = trio.CapacityLimiter(2)
     try:
         pieces = await trio.to_thread.run_sync(build_skeleton, index, tree, limiter=io)
@@ -1181,6 +1194,7 @@ __all__ = [
     "delete_snapshot",
     "download_image",
     "dump_manifest",
+    "fetch_layer_index",
     "fetch_manifest",
     "index_layer",
     "load_manifest",

@@ -13,6 +13,7 @@ nothing behind. Nothing of the nodes may leak at the end.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import secrets
 import shutil
@@ -72,13 +73,14 @@ class Nodes:
             self.homes.append(home)
         return home
 
-    def start(self, name: str) -> NodeProc:
+    def start(self, name: str, **extra: str) -> NodeProc:
         home = self.home(name)
         env = {
             **ENV,
             **self.s3.env(),
             "AENV_STORE_URL": self.s3.url(self.prefix),
             "AENV_STORE_GC_GRACE": "0",
+            **extra,
         }
         n = start_node(home, api_key=self.key, log_path=home / "node.log", extra_env=env)
         for var, value in (("E2B_API_URL", n.url), ("E2B_SANDBOX_URL", n.url)):
@@ -443,4 +445,64 @@ def test_a_template_share_cut_by_a_node_stop_finishes_after_the_restart(nodes: N
         assert s.commands.run("cat b.txt").stdout == "shared-late\n"
     finally:
         s.kill()
+    nodes.stop()
+
+
+def _metric(nodes: Nodes, name: str) -> float:
+    for line in nodes.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_a_cold_restore_serves_its_layers_on_demand_then_copies_them(nodes: Nodes) -> None:
+    """Node B restores a snapshot whose layer holds 32 MiB it never saw: the sandbox
+    starts with the layer served through the image mount, reading only what it
+    touches from the store; after a restart (the sandbox paused meanwhile) the
+    layer is served again, then copied to B's disk, and reads the same."""
+    nodes.start("a")
+    src = Sandbox.create(TEMPLATE, timeout=300)
+    try:
+        # in $HOME, on the root filesystem (/tmp is the sandbox's own tmpfs)
+        src.commands.run("head -c 33554432 /dev/urandom > $HOME/big.bin; echo small > $HOME/s")
+        want = src.commands.run("sha256sum $HOME/big.bin").stdout.split()[0]
+        rel = src.commands.run("echo $HOME").stdout.strip().lstrip("/")
+        sid = nodes.snapshot(src.sandbox_id, durable=True)["snapshotID"]
+    finally:
+        src.kill()
+    nodes.stop()
+
+    nodes.start("b", AENV_LAZY_MATERIALISE_AFTER="3600")
+    home = nodes.home("b")
+    before = _metric(nodes, "aenv_image_store_fetched_bytes_total")
+    s = Sandbox.create(sid, timeout=300)
+    assert s.commands.run("cat $HOME/s").stdout == "small\n"
+    lazy = [p for p in (home / "layers" / "layers").iterdir() if (p / "tree").is_symlink()]
+    assert lazy, "no layer is served on demand"
+    fetched = _metric(nodes, "aenv_image_store_fetched_bytes_total") - before
+    assert fetched < 4 * MiB, f"{fetched} bytes of layer content fetched before any read"
+    assert s.commands.run("sha256sum $HOME/big.bin").stdout.split()[0] == want
+    # gVisor restored its own page cache of the file; the node's view of the layer
+    # (what any read the cache misses goes to) comes from the store, chunk by chunk
+    served = [p / "tree" / rel / "big.bin" for p in lazy if (p / "tree" / rel).is_dir()]
+    assert served and hashlib.sha256(served[0].read_bytes()).hexdigest() == want
+    assert _metric(nodes, "aenv_image_store_fetched_bytes_total") - before >= 32 * MiB
+    s.beta_pause()
+    nodes.stop()  # the paused sandbox goes to disk; the layer is still not copied
+
+    nodes.start("b")  # copies at once
+    deadline = time.monotonic() + 60
+    while any((p / "tree").is_symlink() for p in lazy):
+        assert time.monotonic() < deadline, "the layer was never copied to disk"
+        time.sleep(0.2)
+    assert not served[0].parent.parent.is_symlink()  # the layer's own tree on disk
+    assert hashlib.sha256(served[0].read_bytes()).hexdigest() == want
+    s2 = Sandbox.connect(s.sandbox_id, timeout=300)
+    try:
+        assert s2.commands.run("sha256sum $HOME/big.bin; cat $HOME/s").stdout.split()[::2] == [
+            want,
+            "small",
+        ]
+    finally:
+        s2.kill()
     nodes.stop()

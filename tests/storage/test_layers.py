@@ -425,3 +425,37 @@ async def test_a_capture_with_nothing_changed_adds_no_layer(tmp_path: Path) -> N
         assert fourth.stack.depth == 2
         with mounted_view(fourth.stack.lowers(), tmp_path / "view") as v:
             assert observe(v) == observe(root)
+
+
+async def test_a_lazy_layer_is_swapped_for_its_copy_atomically(tmp_path: Path) -> None:
+    """A layer restored on demand: its tree a symlink to where it is served, its
+    stored index kept; `materialise` swaps the real tree in (a crash mid-swap
+    leaves the symlink, and the next look clears the half-done copy)."""
+    store = LayerStore(tmp_path / "store")
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "f").write_text("served")
+    layer = await store.adopt_lazy(
+        "restored1", below=(), base=[tmp_path], target=served, index=b"{}", size_bytes=6
+    )
+    assert layer.path.is_symlink() and (layer.path / "f").read_text() == "served"
+    assert store.lazy_ids() == {"restored1"} and store.stored_index("restored1") == b"{}"
+    assert store.stored_index("restored1") is not None
+    # a crash after the copy was moved in beside the symlink, before the swap
+    (layer.path.parent / "tree.new").mkdir()
+    assert store.lazy_ids() == {"restored1"}
+    assert not (layer.path.parent / "tree.new").exists()
+
+    staging = store.new_staging()
+    (staging / "tree").mkdir()
+    (staging / "tree" / "f").write_text("on disk")
+    after = await store.materialise("restored1", staging)
+    assert not after.path.is_symlink() and (after.path / "f").read_text() == "on disk"
+    assert store.lazy_ids() == set() and not staging.exists()
+    assert store.stored_index("restored1") == b"{}"  # uploads still use the stored index
+    with pytest.raises(LayerError, match="not lazy"):
+        staging = store.new_staging()
+        (staging / "tree").mkdir()
+        await store.materialise("restored1", staging)
+    assert store.get("restored1").size_bytes == 6
+    assert await store.gc([]) == ["restored1"] and served.exists()  # never follows the link
