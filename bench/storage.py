@@ -17,6 +17,8 @@ One run starts moto's S3 server on loopback (tests/s3.py) and measures:
   first node (a busybox sandbox with a running process and `--data-mb` MiB
   of random file data), waited for until durable, then that node stops;
   each cold sample starts a node with a fresh private home (not timed).
+  Cold is measured twice: with the snapshot's layers served on demand (the
+  default) and downloaded whole first (`AENV_LAZY_RESTORE=0`, cold_eager).
 
 It prints p50/p95 and writes JSON to bench/results/storage-<timestamp>.json.
 Nodes use their own netns prefix and slot range, are stopped with SIGTERM,
@@ -146,7 +148,9 @@ class Env:
                 os.environ[k] = v
 
 
-def _node(built: Path, work: Path, name: str, s3: MotoS3, prefix: str, key: str) -> NodeProc:
+def _node(
+    built: Path, work: Path, name: str, s3: MotoS3, prefix: str, key: str, **extra: str
+) -> NodeProc:
     home = work / name
     home.mkdir()
     link_home(built, home)
@@ -155,6 +159,7 @@ def _node(built: Path, work: Path, name: str, s3: MotoS3, prefix: str, key: str)
         "AENV_SLOT_CIDR": SLOT_CIDR,
         "AENV_STORE_URL": s3.url(prefix),
         **s3.env(),
+        **extra,
     }
     return start_node(home, api_key=key, log_path=home / "node.log", extra_env=env)
 
@@ -221,6 +226,7 @@ def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[st
         env.restore()
         _stop(node)
     cold: list[float] = []
+    eager: list[float] = []
     warm: list[float] = []
     for i in range(n):
         node = _node(built, work, f"cold{i}", s3, prefix, key)
@@ -231,12 +237,20 @@ def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[st
         finally:
             env.restore()
             _stop(node)
+        node = _node(built, work, f"eager{i}", s3, prefix, key, AENV_LAZY_RESTORE="0")
+        env = Env(node)
+        try:
+            eager.append(_resume_once(sid))
+        finally:
+            env.restore()
+            _stop(node)
     return {
         "snapshot_durable_s": round(snapshot_wait, 3),
         "snapshot_upload": detail.get("storageUpload"),
         "second_snapshot_durable_s": round(second_wait, 3),
         "second_snapshot_upload": detail2.get("storageUpload"),
         "cold_s": stats(cold),
+        "cold_eager_s": stats(eager),
         "warm_s": stats(warm),
     }
 
@@ -276,7 +290,7 @@ def main() -> None:
                 f"({up2.get('imageBytes')} of memory: {up2.get('reusedPages')} of "
                 f"{up2.get('imagePages')} pages already stored)"
             )
-            for kind in ("cold", "warm"):
+            for kind in ("cold", "cold_eager", "warm"):
                 st = rs[f"{kind}_s"]
                 print(f"resume {kind}: p50 {st['p50']:.3f}s p95 {st['p95']:.3f}s (n={st['n']})")
     finally:
