@@ -184,6 +184,21 @@ def _resume_once(snapshot_id: str) -> float:
         s.kill()
 
 
+def _durable_snapshot(node: NodeProc, key: str, sandbox_id: str) -> tuple[float, dict[str, Any]]:
+    """Seconds until a snapshot of the sandbox is durable, and its detail."""
+    t0 = time.perf_counter()
+    r = httpx.post(
+        f"{node.url}/sandboxes/{sandbox_id}/snapshots",
+        json={"durable": True},
+        headers={"X-API-Key": key},
+        timeout=600,
+    )
+    took = time.perf_counter() - t0
+    r.raise_for_status()
+    sid = r.json()["snapshotID"]
+    return took, httpx.get(f"{node.url}/snapshots/{sid}", headers={"X-API-Key": key}).json()
+
+
 def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[str, Any]:
     from e2b import Sandbox
 
@@ -197,30 +212,11 @@ def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[st
             "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done", background=True
         )
         s.commands.run(f"head -c {data_mb * MiB} /dev/urandom > $HOME/data.bin")
-        t0 = time.perf_counter()
-        r = httpx.post(
-            f"{node.url}/sandboxes/{s.sandbox_id}/snapshots",
-            json={"durable": True},
-            headers={"X-API-Key": key},
-            timeout=600,
-        )
-        snapshot_wait = time.perf_counter() - t0
-        r.raise_for_status()
-        sid = r.json()["snapshotID"]
-        detail = httpx.get(f"{node.url}/snapshots/{sid}", headers={"X-API-Key": key}).json()
+        snapshot_wait, detail = _durable_snapshot(node, key, s.sandbox_id)
+        sid = detail["snapshotID"]
         # a later snapshot of the same sandbox: only what changed goes up (pages, files)
         s.commands.run(f"head -c {MiB} /dev/urandom > $HOME/more.bin")
-        t0 = time.perf_counter()
-        r = httpx.post(
-            f"{node.url}/sandboxes/{s.sandbox_id}/snapshots",
-            json={"durable": True},
-            headers={"X-API-Key": key},
-            timeout=600,
-        )
-        second_wait = time.perf_counter() - t0
-        r.raise_for_status()
-        sid2 = r.json()["snapshotID"]
-        detail2 = httpx.get(f"{node.url}/snapshots/{sid2}", headers={"X-API-Key": key}).json()
+        second_wait, detail2 = _durable_snapshot(node, key, s.sandbox_id)
         s.kill()
     finally:
         env.restore()

@@ -143,6 +143,12 @@ class Nodes:
                 return out
             token = {"ContinuationToken": got["NextContinuationToken"]}
 
+    def wait_template(self, template_id: str, why: str, limit: float = 120) -> None:
+        deadline = time.monotonic() + limit
+        while f"templates/{template_id}.json" not in self.objects("templates/"):
+            assert time.monotonic() < deadline, why
+            time.sleep(0.2)
+
     def manifest(self, snapshot_id: str) -> dict[str, Any]:
         body = self.s3.boto().get_object(
             Bucket=self.s3.bucket, Key=f"{self.prefix}/snapshots/{snapshot_id}.json"
@@ -400,10 +406,7 @@ def test_a_built_template_reaches_a_node_that_never_saw_it(nodes: Nodes) -> None
         Template().from_template("base").run_cmd("echo built-on-a > /home/user/b.txt"),
         "shared-build",
     )
-    deadline = time.monotonic() + 120
-    while f"templates/{info.template_id}.json" not in nodes.objects("templates/"):
-        assert time.monotonic() < deadline, "the built template never reached the store"
-        time.sleep(0.2)
+    nodes.wait_template(info.template_id, "the built template never reached the store")
     nodes.stop()
 
     nodes.start("b")
@@ -433,10 +436,7 @@ def test_a_template_share_cut_by_a_node_stop_finishes_after_the_restart(nodes: N
         nodes.s3.start()
     assert f"templates/{info.template_id}.json" not in nodes.objects("templates/")
     nodes.start("a")
-    deadline = time.monotonic() + 120
-    while f"templates/{info.template_id}.json" not in nodes.objects("templates/"):
-        assert time.monotonic() < deadline, "the restarted node never shared the template"
-        time.sleep(0.2)
+    nodes.wait_template(info.template_id, "the restarted node never shared the template")
     nodes.stop()
 
     nodes.start("b")
