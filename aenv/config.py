@@ -153,12 +153,7 @@ class Config:
         if "AENV_NODE_TAG" in env:
             kw["node_tag"] = env["AENV_NODE_TAG"]
         if env.get("AENV_WARM_TEMPLATES"):
-            kw["warm_templates"] = env["AENV_WARM_TEMPLATES"].strip().lower() not in (
-                "0",
-                "false",
-                "no",
-                "off",
-            )
+            kw["warm_templates"] = _flag(env["AENV_WARM_TEMPLATES"])
         if env.get("AENV_HIBERNATE_AFTER"):
             kw["hibernate_after_s"] = float(env["AENV_HIBERNATE_AFTER"])
         if env.get("AENV_HIBERNATE_MEMORY_LOW"):
@@ -173,12 +168,7 @@ class Config:
         if env.get("AENV_STORE_GC_GRACE"):
             kw["store_gc_grace_s"] = float(env["AENV_STORE_GC_GRACE"])
         if env.get("AENV_LAZY_RESTORE"):
-            kw["lazy_restore"] = env["AENV_LAZY_RESTORE"].strip().lower() not in (
-                "0",
-                "false",
-                "no",
-                "off",
-            )
+            kw["lazy_restore"] = _flag(env["AENV_LAZY_RESTORE"])
         if env.get("AENV_LAZY_MATERIALISE_AFTER"):
             kw["lazy_materialise_after_s"] = float(env["AENV_LAZY_MATERIALISE_AFTER"])
         if env.get("AENV_CACHE_MAX_BYTES"):
@@ -212,6 +202,11 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"size must be positive: {text!r}")
     return int(value * _UNITS[unit])
+
+
+def _flag(value: str) -> bool:
+    """An on/off setting: 0, false, no and off (any case) are off; anything else on."""
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 def _csv(text: str) -> tuple[str, ...]:

@@ -36,3 +36,13 @@ def test_env_parsing(tmp_path: Path) -> None:
     assert cfg.listen == "0.0.0.0:9"
     assert cfg.egress_cap == ("198.51.100.0/24", "203.0.113.0/24")
     assert cfg.bundle_dir == tmp_path / "bundle"
+
+
+def test_on_off_and_lazy_restore_settings(tmp_path: Path) -> None:
+    home = {"AENV_HOME": str(tmp_path)}
+    assert Config.from_env(home).lazy_restore is True
+    for off in ("0", "false", "No", " off "):
+        cfg = Config.from_env({**home, "AENV_LAZY_RESTORE": off, "AENV_WARM_TEMPLATES": off})
+        assert cfg.lazy_restore is False and cfg.warm_templates is False
+    cfg = Config.from_env({**home, "AENV_LAZY_RESTORE": "1", "AENV_LAZY_MATERIALISE_AFTER": "2.5"})
+    assert cfg.lazy_restore is True and cfg.lazy_materialise_after_s == 2.5
