@@ -405,7 +405,8 @@ class Durable:
         }
 
     async def ensure_local(self, doc: dict[str, Any], template: Template) -> dict[str, Any]:
-        """`doc` if its layers and image are all on disk, else a restored copy of it."""
+        """`doc` if its layers and image are all on disk, else a restored copy of it
+        (a new record, whose memory image was verified as it came from the store)."""
         snap_id = str(doc["snapshotID"])
         snapshots, layers = self.node.snapshots, self.node.layers
         gaps = await trio.to_thread.run_sync(snapshots.local_gaps, doc, layers.layers_dir)

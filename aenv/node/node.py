@@ -470,8 +470,11 @@ class Node:
     ) -> SandboxActor:
         """A sandbox (not started yet) that restores snapshot `doc`."""
         template = template or await self.resolve_template(doc["templateID"])
-        doc = await self.durable.ensure_local(doc, template)  # fetched from the store if missing
-        snapshot_id = str(doc.get("snapshotID"))
+        local = await self.durable.ensure_local(doc, template)  # fetched from the store if missing
+        snapshot_id = str(local.get("snapshotID"))
+        if local is not doc:
+            self._verified.add(snapshot_id)  # its image was checked as it came from the store
+        doc = local
         if doc.get("image") is not None and snapshot_id in self._verified:
             image: Path | None = Path(doc["image"])  # immutable, checked once per process
         else:
