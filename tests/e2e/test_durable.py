@@ -458,8 +458,8 @@ def _metric(nodes: Nodes, name: str) -> float:
 def test_a_cold_restore_serves_its_layers_on_demand_then_copies_them(nodes: Nodes) -> None:
     """Node B restores a snapshot whose layer holds 32 MiB it never saw: the sandbox
     starts with the layer served through the image mount, reading only what it
-    touches from the store; after a restart (the sandbox paused meanwhile) the
-    layer is served again, then copied to B's disk, and reads the same."""
+    touches from the store; after a crash (the sandbox paused on disk meanwhile)
+    the layer is served again, then copied to B's disk, and reads the same."""
     nodes.start("a")
     src = Sandbox.create(TEMPLATE, timeout=300)
     try:
@@ -472,7 +472,7 @@ def test_a_cold_restore_serves_its_layers_on_demand_then_copies_them(nodes: Node
         src.kill()
     nodes.stop()
 
-    nodes.start("b", AENV_LAZY_MATERIALISE_AFTER="3600")
+    nodes.start("b", AENV_LAZY_MATERIALISE_AFTER="3600", AENV_HIBERNATE_AFTER="0.5")
     home = nodes.home("b")
     before = _metric(nodes, "aenv_image_store_fetched_bytes_total")
     s = Sandbox.create(sid, timeout=300)
@@ -488,7 +488,11 @@ def test_a_cold_restore_serves_its_layers_on_demand_then_copies_them(nodes: Node
     assert served and hashlib.sha256(served[0].read_bytes()).hexdigest() == want
     assert _metric(nodes, "aenv_image_store_fetched_bytes_total") - before >= 32 * MiB
     s.beta_pause()
-    nodes.stop()  # the paused sandbox goes to disk; the layer is still not copied
+    deadline = time.monotonic() + 60
+    while nodes.get(f"/sandboxes/{s.sandbox_id}").json().get("pausedInMemory", True):
+        assert time.monotonic() < deadline, "the paused sandbox never went to disk"
+        time.sleep(0.2)
+    nodes.stop(signal.SIGKILL)  # a crash; the layer is still not copied
 
     nodes.start("b")  # copies at once
     deadline = time.monotonic() + 60
