@@ -63,9 +63,10 @@ class Config:
     store_gc_grace_s: float = 3600.0
     # A snapshot restored from the store starts with its layers served on demand
     # (AENV_LAZY_RESTORE); they are copied to disk in the background after
-    # AENV_LAZY_MATERIALISE_AFTER seconds.
+    # AENV_LAZY_MATERIALISE_AFTER seconds (not at once: the copy would compete
+    # with the restore it follows for CPU and disk).
     lazy_restore: bool = True
-    lazy_materialise_after_s: float = 0.0
+    lazy_materialise_after_s: float = 5.0
     # Registries images may come from (None: any), registries reachable over
     # plain HTTP, and mirrors tried before a registry ({registry: (urls...)}).
     registry_allow: tuple[str, ...] | None = None

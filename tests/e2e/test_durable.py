@@ -494,7 +494,7 @@ def test_a_cold_restore_serves_its_layers_on_demand_then_copies_them(nodes: Node
         time.sleep(0.2)
     nodes.stop(signal.SIGKILL)  # a crash; the layer is still not copied
 
-    nodes.start("b")  # copies at once
+    nodes.start("b")  # serves the layer again, copies it after AENV_LAZY_MATERIALISE_AFTER
     deadline = time.monotonic() + 60
     while any((p / "tree").is_symlink() for p in lazy):
         assert time.monotonic() < deadline, "the layer was never copied to disk"
