@@ -12,12 +12,19 @@ manifest is written. On start, every snapshot still `uploading` resumes
 (uploads are idempotent: blobs already there are skipped). Internal
 snapshots (a template's warm snapshot) stay `local`.
 
+An upload names the node's closest durable snapshots (`image_bases`) so
+the memory pages they stored are referenced, not uploaded again.
+
 Restores: `locate` finds a snapshot this node does not know in the store
 (by ID, or by name through its name pointer; a template of that name wins),
-and `ensure_local` brings back whatever of a snapshot is missing on disk -
-layers into the `LayerStore` under their own IDs, the memory image into
-the snapshot directory - staged in temporary directories and published
-only once every object is fetched and verified. Failures become
+and `ensure_local` brings back whatever of a snapshot is missing on disk:
+the memory image into the snapshot directory (whole: runsc reads it all),
+and each missing layer by its index alone, served on demand on the image
+mount (`_serve_lazy`: contents through the chunk cache from the store) and
+adopted by the `LayerStore` as a symlink there, then copied to disk in the
+background (`_materialise`) and swapped in; `serve_lazy_layers` serves the
+uncopied ones again at start. Staging happens in temporary directories,
+published only once every object is fetched and verified. Failures become
 `CorruptSnapshot` with a message naming the snapshot and the object.
 Deleting a snapshot removes its manifest and name pointer, then a
 background mark-and-sweep (`collect`) deletes the blobs nothing references

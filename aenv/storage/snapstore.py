@@ -6,9 +6,12 @@ Each frozen layer of its stack is described by a `LayerIndex`
 targets; whiteouts as WHITEOUT entries, opaque directories as OPAQUE ones),
 serialised to JSON and stored as a blob itself; every regular file's content
 is cut at fixed 1 MiB offsets into chunk blobs (`Chunk.offset` is the offset
-in the file). The memory image's files are cut the same way, with a chunk
-list per file. Blobs are only written when absent, so content shared by
-snapshots (lower layers, unchanged files) is uploaded once. The layout:
+in the file). The memory image's files are stored as 4 KiB pages in
+zstd-compressed packs, with a page map blob per file (aenv.proto.pagemap,
+aenv.storage.memimage); an upload reuses the pages its `image_bases`
+stored. Blobs are only written when absent, so content shared by
+snapshots (lower layers, unchanged files, unchanged pages) is uploaded
+once. The layout:
 
     blobs/sha256/<2 hex>/<64 hex>   chunks and layer indexes (objstore)
     pending/<snapshot id>.json      the manifest of an upload in progress
