@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import secrets
@@ -59,6 +58,7 @@ from aenv.storage.objstore import (
     ObjectStore,
     StoreError,
     StoreUnavailable,
+    content_digest,
     open_object_store,
 )
 from aenv.storage.snapstore import (
@@ -553,9 +553,7 @@ class Durable:
                 if raw is None:
                     raise SnapshotUnavailable("its index is missing")
                 index = await trio.to_thread.run_sync(load_index, raw)
-                await self._serve_lazy(
-                    layer_id, "sha256:" + hashlib.sha256(raw).hexdigest(), raw, index
-                )
+                await self._serve_lazy(layer_id, content_digest(raw), raw, index)
             except (BadIndex, SnapshotUnavailable) as exc:
                 log.error("layer %s cannot be served: %s", layer_id, exc)
                 continue
@@ -575,14 +573,14 @@ class Durable:
                 raw = await trio.to_thread.run_sync(layers.stored_index, layer_id)
                 if raw is None:
                     return
-                sl = StoredLayer(
-                    id=layer_id,
-                    below=layer.below,
-                    index="sha256:" + hashlib.sha256(raw).hexdigest(),
-                )
+                # the index kept when the layer was restored (verified then): no new fetch
+                index = await trio.to_thread.run_sync(load_index, raw)
+                sl = StoredLayer(id=layer_id, below=layer.below, index=content_digest(raw))
                 staging = await trio.to_thread.run_sync(layers.new_staging)
                 try:
-                    await materialise_layer(self.store, f"(layer {layer_id})", sl, staging / "tree")
+                    await materialise_layer(
+                        self.store, f"(layer {layer_id})", sl, staging / "tree", index=index
+                    )
                 except BaseException:
                     with trio.CancelScope(shield=True):
                         await trio.to_thread.run_sync(_remove, staging)
@@ -596,6 +594,9 @@ class Durable:
             except LayerError as exc:
                 log.info("layer %s is not copied to disk: %s", layer_id, exc)
                 return  # deleted, or copied by another task
+            except BadIndex as exc:
+                log.error("layer %s cannot be copied to disk: %s", layer_id, exc)
+                return
             except (StoreError, SnapshotUnavailable, OSError) as exc:
                 log.warning("copying layer %s failed, retrying in %.1fs: %s", layer_id, delay, exc)
                 await trio.sleep(delay)

@@ -324,8 +324,7 @@ class LayerStore:
         out = set()
         for layer_id in self.ids():
             d = self.layers_dir / layer_id
-            if (d / _TREE_NEW).exists() or (d / _TREE_NEW).is_symlink():
-                _unlink_any(d / _TREE_NEW)
+            _unlink_any(d / _TREE_NEW)
             if (d / _TREE).is_symlink():
                 out.add(layer_id)
         return out

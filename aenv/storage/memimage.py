@@ -101,13 +101,8 @@ def unpack_map(data: bytes) -> PageMap:
     return decode(raw)
 
 
-def blob_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 __all__ = [
     "BadPack",
-    "blob_digest",
     "build_pack",
     "hash_pages",
     "open_pack",

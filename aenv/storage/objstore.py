@@ -609,7 +609,7 @@ class ObjectStore:
         """
         if digest is not None:
             blob_key(digest)  # validates the form
-        actual = await trio.to_thread.run_sync(_sha256_of, data, limiter=self._limiter)
+        actual = await trio.to_thread.run_sync(content_digest, data, limiter=self._limiter)
         if digest is not None and digest != actual:
             raise CorruptObject(f"content hashes to {actual}, not the given {digest}")
         await self.put(blob_key(actual), data, if_absent=not rewrite)
@@ -619,7 +619,7 @@ class ObjectStore:
         """The blob's bytes, verified against `digest`; `CorruptObject` if they differ."""
         key = blob_key(digest)
         data = await self.get(key)
-        actual = await trio.to_thread.run_sync(_sha256_of, data, limiter=self._limiter)
+        actual = await trio.to_thread.run_sync(content_digest, data, limiter=self._limiter)
         if actual != digest:
             raise CorruptObject(
                 f"object store {self.where}: blob {key!r} hashes to {actual}, expected {digest}"
@@ -637,7 +637,8 @@ class ObjectStore:
         return await self.head(blob_key(digest))
 
 
-def _sha256_of(data: bytes | Path) -> str:
+def content_digest(data: bytes | Path) -> str:
+    """ "sha256:<hex>" of bytes or of a file's contents: a blob's name (blocking)."""
     h = hashlib.sha256()
     if isinstance(data, Path):
         with data.open("rb") as f:

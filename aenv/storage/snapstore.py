@@ -67,7 +67,6 @@ from aenv.proto.layerindex import (
 )
 from aenv.storage.memimage import (
     BadPack,
-    blob_digest,
     build_pack,
     hash_pages,
     open_pack,
@@ -84,6 +83,7 @@ from aenv.storage.objstore import (
     StoreError,
     StoreUnavailable,
     blob_key,
+    content_digest,
 )
 
 MANIFEST_PREFIX = "snapshots"
@@ -492,7 +492,7 @@ def _encoded_index(layer: LocalLayer) -> tuple[LayerIndex, bytes, str]:
     else:
         index = index_layer(layer.tree)
         raw = dumps(index)
-    digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+    digest = content_digest(raw)
     _index_cache[key] = (index, raw, digest)
     return index, raw, digest
 
@@ -634,7 +634,7 @@ async def _plan_image(
             k: int, group: tuple[int, ...], path: Path = path, new: list[str] = new
         ) -> None:
             blob = await trio.to_thread.run_sync(build_pack, path, group, limiter=io)
-            new[k] = blob_digest(blob)
+            new[k] = content_digest(blob)
             if kept[0] + len(blob) <= _KEPT_PACK_BYTES:
                 kept[0] += len(blob)
                 packs[new[k]] = blob
@@ -644,7 +644,7 @@ async def _plan_image(
                 n.start_soon(build, k, group)
         pmap = plan.finish(new)
         raw = await trio.to_thread.run_sync(pack_map, pmap, limiter=io)
-        out.append(PagedFile(name, path, plan, tuple(new), pmap, raw, blob_digest(raw)))
+        out.append(PagedFile(name, path, plan, tuple(new), pmap, raw, content_digest(raw)))
     return out
 
 
@@ -896,10 +896,18 @@ async def fetch_layer_index(
 
 
 async def materialise_layer(
-    store: ObjectStore, snapshot_id: str, layer: StoredLayer, tree: Path, *, concurrency: int = 8
+    store: ObjectStore,
+    snapshot_id: str,
+    layer: StoredLayer,
+    tree: Path,
+    *,
+    index: LayerIndex | None = None,
+    concurrency: int = 8,
 ) -> int:
-    """Build `tree` (which must not exist) from the layer's index; returns content bytes."""
-    _raw, index = await fetch_layer_index(store, snapshot_id, layer)
+    """Build `tree` (which must not exist) from the layer's index (fetched unless
+    given, e.g. kept from an earlier fetch); returns content bytes."""
+    if index is None:
+        _raw, index = await fetch_layer_index(store, snapshot_id, layer)
     io = trio.CapacityLimiter(2)
     try:
         pieces = await trio.to_thread.run_sync(build_skeleton, index, tree, limiter=io)

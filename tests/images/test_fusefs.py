@@ -17,8 +17,8 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -309,20 +309,31 @@ async def test_unfetchable_chunk_reads_as_eio(tmp_path: Path) -> None:
         assert await in_thread((m.img / "bin" / "suid").read_bytes) == SUID
 
 
+@contextmanager
+def host_overlay(root: Path, *lowers: Path) -> Iterator[Path]:
+    """The host's overlayfs over `lowers` (topmost first), its upper `root/upper`,
+    mounted at `root/merged` for the block (blocking)."""
+    upper, work, merged = root / "upper", root / "work", root / "merged"
+    for d in (upper, work, merged):
+        d.mkdir(parents=True)
+    opts = f"lowerdir={':'.join(map(str, lowers))},upperdir={upper},workdir={work}"
+    subprocess.run(
+        ["mount", "-t", "overlay", "overlay", "-o", opts, str(merged)],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield merged
+    finally:
+        subprocess.run(["umount", str(merged)], check=True)
+
+
 async def test_host_overlay_on_an_image_directory(tmp_path: Path) -> None:
     async with mounted(tmp_path) as m:
-        upper, work, merged = tmp_path / "upper", tmp_path / "work", tmp_path / "merged"
-        for d in (upper, work, merged):
-            d.mkdir()
+        upper = tmp_path / "upper"
 
         def run() -> None:
-            opts = f"lowerdir={m.img},upperdir={upper},workdir={work}"
-            subprocess.run(
-                ["mount", "-t", "overlay", "overlay", "-o", opts, str(merged)],
-                check=True,
-                capture_output=True,
-            )
-            try:
+            with host_overlay(tmp_path, m.img) as merged:
                 assert (merged / "big").read_bytes() == BIG
                 assert (merged / "etc" / "passwd").read_bytes() == PASSWD
                 assert os.readlink(merged / "link") == "big"
@@ -331,8 +342,6 @@ async def test_host_overlay_on_an_image_directory(tmp_path: Path) -> None:
                 with open(merged / "etc" / "passwd", "ab") as f:  # copy-up
                     f.write(b"bob:x:1001:1001::/:/bin/sh\n")
                 assert len(os.listdir(merged / "many")) == MANY
-            finally:
-                subprocess.run(["umount", str(merged)], check=True)
             assert (upper / "new").read_bytes() == b"written through the overlay"
             assert (upper / "etc" / "passwd").read_bytes().startswith(PASSWD)
             assert (m.img / "etc" / "passwd").read_bytes() == PASSWD
@@ -471,20 +480,8 @@ async def test_a_frozen_layer_served_raw_stacks_like_its_directory(tmp_path: Pat
         m.fs.add("layer", ImageTree.of_layer(index))
 
         def view(lower: Path) -> dict[str, tuple[int, bytes]]:
-            name = lower.name
-            up, work, merged = (tmp_path / f"{name}-{d}" for d in ("up", "work", "merged"))
-            for d in (up, work, merged):
-                d.mkdir()
-            opts = f"lowerdir={lower}:{base},upperdir={up},workdir={work}"
-            subprocess.run(
-                ["mount", "-t", "overlay", "overlay", "-o", opts, str(merged)],
-                check=True,
-                capture_output=True,
-            )
-            try:
+            with host_overlay(tmp_path / f"over-{lower.name}", lower, base) as merged:
                 return _tree_view(merged)
-            finally:
-                subprocess.run(["umount", str(merged)], check=True)
 
         want = await in_thread(lambda: view(upper))
         assert set(want) == {"dir", "dir/c", "keep", "big"}
