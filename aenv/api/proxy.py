@@ -121,7 +121,8 @@ class SandboxProxy:
             actor = self.node.get(target.sandbox_id)
         except SandboxNotFound:
             return
-        if actor.auto_resume and actor.state.value == "paused":
+        # a pause in progress answers the resume once it is done (the mailbox queues it)
+        if actor.auto_resume and actor.state.value in ("paused", "pausing"):
             try:
                 await actor.mailbox.ask(Resume(None), timeout=RESUME_TIMEOUT_S)
             except Exception as exc:  # the request then fails as for any paused sandbox

@@ -244,6 +244,7 @@ class SandboxActor:
         self._captures = 0
         # set on a sandbox recovered paused after a node restart: the TTL it had left
         self._recovered_remaining: float | None = None
+        self._recovered_timeout: float | None = None
         self._slot: NetSlot | None = None
         self._serve_scope: trio.CancelScope | None = None
         self._killers: list[Request[Msg]] = []
@@ -311,7 +312,9 @@ class SandboxActor:
             image = self._resume_image
             if self._recovered_remaining is not None:
                 # paused before the node restarted: take it up again, still paused
-                self.lifecycle.step(lc.Recovered(self._recovered_remaining))
+                self.lifecycle.step(
+                    lc.Recovered(self._recovered_remaining, self._recovered_timeout)
+                )
                 self._log("recovered after a node restart, paused")
                 started = self.was_started = True
                 task_status.started(self)
@@ -687,6 +690,7 @@ class SandboxActor:
             "startedAt": self.started_at,
             "pausedAt": self.paused_at,
             "remaining": self.lifecycle.remaining or 0.0,
+            "timeoutS": self.lifecycle.timeout_s,
             "captures": self._captures,
         }
 
@@ -755,6 +759,7 @@ class SandboxActor:
         actor._resume_image = None if doc["image"] is None else actor.workdir / str(doc["image"])
         actor._captures = int(doc.get("captures") or 0)
         actor._recovered_remaining = float(doc.get("remaining") or 0.0)
+        actor._recovered_timeout = doc.get("timeoutS")
         actor.on_disk = True
         return actor
 

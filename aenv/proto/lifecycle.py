@@ -9,6 +9,10 @@ States: creating -> running -> stopping -> stopped, with failed reachable
 from any live state; running -> pausing -> paused -> resuming -> running for
 pause/resume. Time spent paused does not count against the TTL: pausing
 banks the time left, resuming re-arms it (or the timeout the caller gives).
+A resume starts a new timeout, as E2B's does: the one the caller gives, else
+the length of the latest timeout set (at create or by a set-timeout), never
+the few seconds (or nothing) a timeout-driven pause banked, so a sandbox
+woken by traffic serves it instead of pausing again at once.
 A failed pause leaves the sandbox running; a failed resume leaves it paused.
 A paused sandbox may first be frozen (still in memory) and later written to
 disk: hibernating takes it paused -> pausing -> paused again, its banked TTL
@@ -122,9 +126,11 @@ class Hibernate:
 
 @dataclass(frozen=True)
 class Recovered:
-    """A paused sandbox taken up again after a node restart, with the TTL it had left."""
+    """A paused sandbox taken up again after a node restart, with the TTL it had left
+    and the length of its latest timeout (None: unknown, a resume re-arms `remaining`)."""
 
     remaining: float
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -204,8 +210,10 @@ class Lifecycle:
     error: str | None = None
     # On TTL expiry: pause (True) or kill (False).
     auto_pause: bool = False
-    # TTL left when the sandbox was paused; re-armed on resume.
+    # TTL left when the sandbox was paused (kept across a restart).
     remaining: float | None = None
+    # Length of the latest timeout set: what a resume without one re-arms.
+    timeout_s: float | None = None
     paused_by_timeout: bool = False
 
     def can(self, event: Event) -> bool:
@@ -217,15 +225,17 @@ class Lifecycle:
         match event:
             case Ready(now, timeout_s) | SetTimeout(now, timeout_s):
                 self.state = State.RUNNING
+                self.timeout_s = timeout_s
                 self.deadline = now + timeout_s
                 return [ArmDeadline(self.deadline)]
             case Hibernate():
                 # the TTL banked at the pause stays banked
                 self.state = State.PAUSING
                 return [Checkpoint()]
-            case Recovered(remaining):
+            case Recovered(remaining, timeout_s):
                 self.state = State.PAUSED
                 self.remaining = max(0.0, remaining)
+                self.timeout_s = timeout_s
                 return []
             case Expire(now):
                 if self.deadline is None or now < self.deadline:
@@ -249,7 +259,9 @@ class Lifecycle:
             case Resume(_, timeout_s):
                 self.state = State.RESUMING
                 if timeout_s is not None:
-                    self.remaining = timeout_s
+                    self.timeout_s = timeout_s
+                if self.timeout_s is not None:
+                    self.remaining = self.timeout_s
                 return [Restore()]
             case Resumed(now):
                 self.state = State.RUNNING

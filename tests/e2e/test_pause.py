@@ -136,3 +136,28 @@ def test_auto_resume_on_traffic(node: NodeProc) -> None:
         assert str(listed[s.sandbox_id]).endswith("running")
     finally:
         s.kill()
+
+
+def test_traffic_to_a_timeout_paused_sandbox_resumes_it_with_a_new_timeout(
+    node: NodeProc,
+) -> None:
+    """The request that wakes the sandbox is served, and it does not pause again at once."""
+    s = Sandbox.create("base", timeout=5, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        s.commands.run("python3 -m http.server 8081 --directory /etc", background=True)
+        deadline = time.monotonic() + 30
+        while "200" not in s.commands.run(
+            "curl -s -o /dev/null -w '%{http_code}' -m 2 localhost:8081/hostname; true"
+        ).stdout:
+            assert time.monotonic() < deadline, "the server never answered"
+            time.sleep(0.3)
+        _wait_state(s.sandbox_id, "paused")
+        route = {"E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "8081"}
+        r = httpx.get(f"{node.url}/hostname", headers=route, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.text.strip() == "sandbox"
+        time.sleep(2)  # well inside the new timeout, well past the one banked at the pause
+        assert Sandbox.get_info(s.sandbox_id).state == SandboxState.RUNNING
+        assert httpx.get(f"{node.url}/hostname", headers=route, timeout=30).status_code == 200
+    finally:
+        Sandbox.kill(s.sandbox_id)

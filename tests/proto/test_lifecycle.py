@@ -42,15 +42,35 @@ def test_crash_while_creating_is_create_failed() -> None:
     assert m.state is lc.State.FAILED and m.reason is lc.StopReason.CREATE_FAILED
 
 
-def test_paused_time_does_not_count() -> None:
+def test_a_resume_starts_a_new_timeout() -> None:
     m = lc.Lifecycle()
     m.step(lc.Ready(0.0, 100))
     assert m.step(lc.Pause(30.0)) == [lc.Checkpoint()]
     assert m.state is lc.State.PAUSING and m.deadline is None
     m.step(lc.Paused(30.1))
     assert m.step(lc.Resume(1000.0)) == [lc.Restore()]
-    assert m.step(lc.Resumed(1000.2)) == [lc.ArmDeadline(1070.2)]
+    # the whole timeout again, not the 70 s left at the pause
+    assert m.step(lc.Resumed(1000.2)) == [lc.ArmDeadline(1100.2)]
     assert m.state is lc.State.RUNNING
+
+
+def test_auto_resume_after_a_timeout_pause_does_not_pause_again_at_once() -> None:
+    # create(timeout=5, on_timeout=pause, auto_resume): traffic wakes it later
+    m = lc.Lifecycle(auto_pause=True)
+    m.step(lc.Ready(0.0, 5))
+    m.step(lc.Expire(5.0))
+    m.step(lc.Paused(5.1))
+    assert m.remaining == 0.0
+    m.step(lc.Resume(10.0))  # by traffic: no timeout given
+    assert m.step(lc.Resumed(10.1)) == [lc.ArmDeadline(15.1)]
+    assert m.step(lc.Expire(10.2)) == []  # the request that woke it is served
+    assert m.state is lc.State.RUNNING
+    # a later set_timeout is what the next resume re-arms
+    m.step(lc.SetTimeout(11.0, 60))
+    m.step(lc.Expire(71.0))
+    m.step(lc.Paused(71.0))
+    m.step(lc.Resume(80.0))
+    assert m.step(lc.Resumed(80.0)) == [lc.ArmDeadline(140.0)]
 
 
 def test_resume_with_timeout_rearms_it() -> None:
@@ -159,6 +179,12 @@ def test_recovered_sandbox_starts_paused_with_the_time_it_had_left() -> None:
     m.step(lc.Resume(1000.0, None))
     m.step(lc.Resumed(1001.0))
     assert m.state is lc.State.RUNNING and m.deadline == 1043.0
+    # with the timeout it had, a resume starts that timeout anew
+    m = lc.Lifecycle()
+    m.step(lc.Recovered(42.0, timeout_s=300.0))
+    m.step(lc.Resume(1000.0, None))
+    m.step(lc.Resumed(1001.0))
+    assert m.deadline == 1301.0
     running = lc.Lifecycle()
     running.step(lc.Ready(0.0, 10))
     with pytest.raises(lc.InvalidTransition):
