@@ -52,6 +52,10 @@ class Config:
     # ... or at once, longest paused first, while the host's available memory
     # is below this percentage of its total (AENV_HIBERNATE_MEMORY_LOW; 0: never).
     hibernate_memory_low_pct: float = 10.0
+    # What a stopping node does with its sandboxes (AENV_ON_STOP): "keep" leaves
+    # running ones running (and writes paused ones to disk) for the next node
+    # process to take back, as containerd leaves containers; "stop" stops them.
+    on_stop: str = "keep"
     # Restored sandboxes kept ready per recently used template (0: no pool).
     pool_size: int = 2
     # Byte bound on the local chunk cache of image contents (AENV_CACHE_MAX_BYTES).
@@ -162,6 +166,11 @@ class Config:
             if not 0 <= pct <= 100:
                 raise ValueError(f"AENV_HIBERNATE_MEMORY_LOW must be 0..100 (percent), not {pct:g}")
             kw["hibernate_memory_low_pct"] = pct
+        if env.get("AENV_ON_STOP"):
+            value = env["AENV_ON_STOP"].strip().lower()
+            if value not in ("keep", "stop"):
+                raise ValueError(f"AENV_ON_STOP must be keep or stop, not {value!r}")
+            kw["on_stop"] = value
         if env.get("AENV_POOL_SIZE"):
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
         if env.get("AENV_STORE_URL"):

@@ -83,6 +83,8 @@ def start_node(
             "AENV_EGRESS_CAP": "198.51.100.0/24",
             # Registries in tests are on loopback: a silent one is a hung one.
             "AENV_REGISTRY_TIMEOUT": "3",
+            # A stopped test node leaves nothing behind (restart tests keep them).
+            "AENV_ON_STOP": "stop",
         }
     )
     env.update(extra_env or {})

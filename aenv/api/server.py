@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator
 from functools import partial
@@ -52,6 +53,13 @@ async def serve(
 ) -> None:
     """Serve until SIGINT/SIGTERM (or cancellation), then drain and tear down.
 
+    With `on_stop = "keep"` (the default) a signal ends the process once the
+    API has drained and paused sandboxes are on disk, without stopping the
+    running ones: they run on, journaled, and the next node process takes
+    them back. That is the path a crash takes too (which must work anyway),
+    so nothing is torn down that a restart would need. With "stop", and on
+    cancellation, every sandbox is stopped.
+
     The signal receiver stays installed until every sandbox is torn down, so a
     second signal during shutdown is logged, never fatal half-way through.
     """
@@ -78,6 +86,11 @@ async def serve(
                 task_status.started(node)
             # Hypercorn has drained its connections; stop the rest
             await node.hibernate_paused()  # paused in memory: to disk, to survive
+            running = node.statistics()["running"]
+            if config.on_stop == "keep" and shutdown.is_set() and running:
+                log.info("leaving %d sandboxes running for the next node process", running)
+                logging.shutdown()
+                os._exit(0)
             log.info("stopping every sandbox")
             outer.cancel_scope.cancel()
     log.info("aenv node stopped")

@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,10 +34,11 @@ from aenv.node import pressure
 from aenv.node.builds import Builds
 from aenv.node.durable import Durable
 from aenv.node.pool import Pool
-from aenv.node.sandbox import Fork, SandboxActor, Snapshot
+from aenv.node.sandbox import Fork, SandboxActor, Snapshot, policy_of
 from aenv.node.snapshots import CorruptSnapshot, Snapshots
 from aenv.node.warm import Warmer
 from aenv.proto import ids
+from aenv.proto import lifecycle as lc
 from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.requests import Limits, NewSandbox
@@ -60,9 +62,13 @@ LAYER_GC_MIN_AGE_S = 60.0
 
 
 class SandboxNotFound(LookupError):
-    def __init__(self, sandbox_id: str) -> None:
-        super().__init__(f"sandbox {sandbox_id!r} not found")
+    def __init__(self, sandbox_id: str, why: str | None = None) -> None:
+        super().__init__(f"sandbox {sandbox_id!r} " + (why or "not found"))
         self.sandbox_id = sandbox_id
+
+
+# how long a sandbox lost at a restart is still answered for with the reason
+LOST_KEPT_S = 24 * 3600.0
 
 
 def ensure_api_key(config: Config) -> str:
@@ -117,6 +123,8 @@ class Node:
         )
         self._nursery = nursery
         self._sandboxes: dict[str, SandboxActor] = {}
+        # sandboxes found dead at a restart: {id: what happened}, answered for a while
+        self.lost: dict[str, str] = {}
         self.builds = Builds(self, nursery)  # template builds (aenv.node.builds)
         self.durable = Durable(self, nursery)  # object store uploads (aenv.node.durable)
         self.warmer = Warmer(self, nursery, enabled=config.warm_templates)
@@ -140,6 +148,14 @@ class Node:
         )
         self.m_proxied = self.metrics.counter(
             "aenv_proxy_requests_total", "Requests proxied into sandboxes, by kind"
+        )
+        self.m_taken_back = self.metrics.counter(
+            "aenv_sandboxes_taken_back_total",
+            "Sandboxes taken back after a node restart, by state (running, frozen, paused)",
+        )
+        self.m_lost = self.metrics.counter(
+            "aenv_sandboxes_lost_total",
+            "Journaled sandboxes that could not be taken back after a node restart",
         )
         self._image_metrics()
 
@@ -188,12 +204,21 @@ class Node:
             counts[a.state.value] = counts.get(a.state.value, 0) + 1
         return [((("state", k),), float(v)) for k, v in sorted(counts.items())]
 
+    def statistics(self) -> dict[str, int]:
+        """Sandboxes on this node (the node's own included), how many of the
+        callers' run (or are paused in memory), and how many were lost at start."""
+        actors = list(self._sandboxes.values())
+        running = sum(
+            not a.hidden and (a.state is lc.State.RUNNING or a.frozen_pause) for a in actors
+        )
+        return {"sandboxes": len(actors), "running": running, "lost": len(self.lost)}
+
     # -- table ---------------------------------------------------------------
 
     def get(self, sandbox_id: str) -> SandboxActor:
         actor = self._sandboxes.get(sandbox_id)
         if actor is None or actor.hidden:
-            raise SandboxNotFound(sandbox_id)
+            raise SandboxNotFound(sandbox_id, self.lost.get(sandbox_id))
         return actor
 
     def list(self) -> list[SandboxActor]:
@@ -217,7 +242,7 @@ class Node:
         live = {lid for a in self._sandboxes.values() for lid in a.layer_ids()}
         try:
             live |= await self.snapshots.layer_ids()
-            live |= await self.paused_layer_ids()
+            live |= await self.journaled_layer_ids()
             removed = await self.layers.gc(live, min_age_s=LAYER_GC_MIN_AGE_S)
         except Exception:
             log.exception("layer garbage collection failed")
@@ -225,38 +250,65 @@ class Node:
         if removed:
             log.info("removed %d unused layers", len(removed))
 
-    async def paused_layer_ids(self) -> set[str]:
-        """Layers that recorded paused sandboxes stand on (kept across restarts)."""
-        docs = await self.meta.run(self.meta.store.list_sandboxes, "paused")
+    async def journaled_layer_ids(self) -> set[str]:
+        """Layers that journaled sandboxes stand on (kept across restarts)."""
+        docs = await self.meta.run(self.meta.store.list_sandboxes)
         return {lid for d in docs for lid in d.get("layers") or ()}
 
-    async def recover_paused(self) -> None:
-        """Take up the sandboxes recorded paused by an earlier node process.
+    async def recover(self) -> None:
+        """Take back the sandboxes an earlier node process journaled.
 
-        One whose template, layers or memory image is gone is dropped with a
-        log line naming what is missing; the others appear paused, as before.
+        Running and frozen ones are adopted with their runtime, mount and
+        network slot (their processes and memory untouched); paused ones come
+        back paused, from their image. One that cannot be taken back (its
+        runtime exited while no node watched it, its layers or image are
+        gone) is recorded lost, with the reason, which the API answers for
+        that sandbox for a day; its files go, its snapshots stay.
         """
-        docs = await self.meta.run(self.meta.store.list_sandboxes, "paused")
+        docs = await self.meta.run(self.meta.store.list_sandboxes)
         for doc in docs:
             sandbox_id = str(doc.get("sandboxID"))
+            state = str(doc.get("state") or "paused")  # records before the journal: paused
+            if state == "lost":
+                if time.time() - float(doc.get("lostAt") or 0) < LOST_KEPT_S:
+                    self.lost[sandbox_id] = str(doc.get("why") or "was lost")
+                else:
+                    await self.meta.run(self.meta.store.delete_sandbox, sandbox_id)
+                continue
             try:
                 template = await self.resolve_template(str(doc["templateID"]))
-                actor = SandboxActor.recovered(self, template, doc)
+                actor = SandboxActor.from_journal(self, template, doc)
                 missing = await trio.to_thread.run_sync(_missing_parts, actor)
                 if missing:
                     raise FileNotFoundError(missing)
                 await self._launch(actor)
-                log.info("recovered paused sandbox %s", sandbox_id)
+                self.m_taken_back.inc(state=state)
+                log.info("took back %s sandbox %s", state, sandbox_id)
             except Exception as exc:
-                log.error(
-                    "dropping paused sandbox %s, which cannot be recovered: %r", sandbox_id, exc
+                why = (
+                    f"stopped while the node was down ({exc})"
+                    if state in ("running", "frozen")
+                    else f"could not be recovered after a node restart ({exc})"
                 )
-                await self.meta.run(self.meta.store.delete_sandbox, sandbox_id)
+                log.error("sandbox %s %s", sandbox_id, why)
+                if state in ("running", "frozen"):  # what is left of it goes
+                    with trio.CancelScope(shield=True):
+                        await self.runtime.remove(sandbox_id)
+                    await trio.to_thread.run_sync(
+                        reap_stale_mounts, self.config.sandboxes_dir / sandbox_id
+                    )
+                self.m_lost.inc()
+                self.lost[sandbox_id] = why
+                lost = {"sandboxID": sandbox_id, "state": "lost", "why": why, "lostAt": time.time()}
+                await self.meta.run(
+                    self.meta.store.put_sandbox, sandbox_id, "lost", lost, time.time()
+                )
                 await trio.to_thread.run_sync(
                     functools.partial(
                         shutil.rmtree, self.config.sandboxes_dir / sandbox_id, ignore_errors=True
                     )
                 )
+        await self.network.release_unadopted()
 
     # -- operations ----------------------------------------------------------
 
@@ -566,10 +618,15 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         state_root=config.run_dir / "runsc",
         cgroup_parent=config.net_prefix,
     )
-    await runtime.reap_stale()
-    await trio.to_thread.run_sync(reap_stale_mounts, config.sandboxes_dir)
-    paused = await trio.to_thread.run_sync(_paused_images, config)
-    await trio.to_thread.run_sync(_clear_dir, config.sandboxes_dir, paused)
+    # what the journal says runs (adopted below) is kept; the rest is reaped
+    live = await trio.to_thread.run_sync(_journaled_live, config)
+    reaped = await runtime.reap_stale(keep=live.keys())
+    if reaped:
+        log.warning("reaped %d runtime sandboxes no journal record names", len(reaped))
+    mounts = [config.sandboxes_dir / i / f"disk{d['period']}" / "merged" for i, d in live.items()]
+    await trio.to_thread.run_sync(reap_stale_mounts, config.sandboxes_dir, mounts)
+    keep = await trio.to_thread.run_sync(_journaled_dirs, config)
+    await trio.to_thread.run_sync(_clear_dir, config.sandboxes_dir, keep)
     templates = TemplateStore(config.templates_dir, image_root=config.run_dir / "images")
     async with (
         open_images(config) as images,
@@ -578,6 +635,7 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             prefix=config.net_prefix,
             table=config.net_prefix,
             egress_cap=config.egress_cap,
+            adopt={int(d["slot"]): policy_of(d) for d in live.values()},
         ) as network,
         trio.open_nursery() as nursery,
     ):
@@ -590,11 +648,11 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             nursery=nursery,
             api_key=api_key,
         )
-        # snapshots and paused sandboxes survive a restart: other layers are garbage
-        await node.layers.gc(await node.snapshots.layer_ids() | await node.paused_layer_ids())
+        # snapshots and journaled sandboxes survive a restart: other layers are garbage
+        await node.layers.gc(await node.snapshots.layer_ids() | await node.journaled_layer_ids())
         images.attach_store(node.durable.store)  # image layers shared via the store
         await node.durable.serve_lazy_layers()  # before anything mounts them
-        await node.recover_paused()
+        await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
         if config.hibernate_memory_low_pct > 0:
             nursery.start_soon(
@@ -620,15 +678,18 @@ def _host_memory_mb() -> int:
 
 
 def _clear_dir(path: Path, keep: dict[str, str | None]) -> None:
-    """Empty the sandboxes directory but for recorded paused sandboxes' images.
+    """Empty the sandboxes directory but for what journaled sandboxes need.
 
-    `keep` maps a paused sandbox's ID to its memory image's directory name
-    (None: filesystem-only pause); everything else of theirs (old period
+    `keep` maps a journaled sandbox's ID to "*" (running or frozen: all of
+    its directory), else to its memory image's directory name (paused; None:
+    filesystem-only pause): everything else of a paused one's (old period
     disks, runtime bundles) goes too.
     """
     for child in path.iterdir():
         if child.name not in keep:
             shutil.rmtree(child, ignore_errors=True)
+            continue
+        if keep[child.name] == "*":
             continue
         for part in child.iterdir():
             if part.name != keep[child.name]:
@@ -638,14 +699,34 @@ def _clear_dir(path: Path, keep: dict[str, str | None]) -> None:
                     part.unlink(missing_ok=True)
 
 
-def _paused_images(config: Config) -> dict[str, str | None]:
-    """{sandbox ID: memory image directory name} of the recorded paused sandboxes."""
+def _journal(config: Config) -> list[dict[str, Any]]:
+    """Every journal record (blocking; before the node's own store is open)."""
     store = MetadataStore(config.home / "aenv.db")
     try:
-        docs = store.list_sandboxes("paused")
+        return store.list_sandboxes()
     finally:
         store.close()
-    return {str(d.get("sandboxID")): d.get("image") for d in docs}
+
+
+def _journaled_live(config: Config) -> dict[str, dict[str, Any]]:
+    """{sandbox ID: record} of the sandboxes journaled running or frozen."""
+    return {
+        str(d["sandboxID"]): d
+        for d in _journal(config)
+        if d.get("state") in ("running", "frozen") and d.get("slot") is not None
+    }
+
+
+def _journaled_dirs(config: Config) -> dict[str, str | None]:
+    """What `_clear_dir` keeps of each journaled sandbox's directory."""
+    keep: dict[str, str | None] = {}
+    for d in _journal(config):
+        state = d.get("state") or "paused"
+        if state in ("running", "frozen"):
+            keep[str(d["sandboxID"])] = "*"
+        elif state == "paused":
+            keep[str(d["sandboxID"])] = d.get("image")
+    return keep
 
 
 def _missing_parts(actor: SandboxActor) -> str:

@@ -36,7 +36,7 @@ from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
 from aenv.runtimes.netns import NetSlot
 from aenv.storage.bundle import envd_command
 from aenv.storage.layers import Captured, LayerStack
-from aenv.storage.overlay import open_writable_root, unmount_root
+from aenv.storage.overlay import adopt_writable_root, open_writable_root, unmount_root
 from aenv.storage.templates import Template
 
 if TYPE_CHECKING:
@@ -77,6 +77,18 @@ class PauseError(Exception):
 
 class ResumeError(Exception):
     """The resume failed; the sandbox is still paused."""
+
+
+def policy_of(doc: dict[str, Any]) -> EgressPolicy:
+    """The egress policy a journal record holds (`SandboxActor.paused_record`)."""
+    p = doc["policy"]
+    return EgressPolicy(
+        allow_internet=bool(p["allowInternet"]),
+        allow_out=tuple(p["allowOut"]),
+        deny_out=tuple(p["denyOut"]),
+        allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
+        deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
+    )
 
 
 # -- mailbox messages ---------------------------------------------------------
@@ -218,6 +230,10 @@ class SandboxActor:
         self._hibernating = False
         # a paused sandbox whose record and memory image are on disk (it survives a crash)
         self.on_disk = False
+        # the state of this sandbox's journal record (None: not journaled)
+        self._journaled: str | None = None
+        # set on a sandbox taken back running after a node restart: its journal record
+        self._adoption: dict[str, Any] | None = None
         # set once a frozen pause ends: resumed, written to disk, or killed
         self.unfrozen = trio.Event()
         self.unfrozen.set()
@@ -325,6 +341,8 @@ class SandboxActor:
                     )
                     return
                 image = self._resume_image
+            elif self._adoption is not None:
+                self._log("taking it back after a node restart")
             else:
                 self._log("creating", template=self.template.template_id)
             while True:
@@ -371,15 +389,22 @@ class SandboxActor:
     ) -> bool:
         """Run until stopped (returns True) or paused (returns False)."""
         node = self.node
-        self._period += 1
+        adoption, self._adoption = self._adoption, None
+        self._period = int(adoption["period"]) if adoption else self._period + 1
         disk = self.workdir / f"disk{self._period}"
         self._upper, self._live = disk / "upper", None
         async with AsyncExitStack() as period:
             try:
                 root = await period.enter_async_context(
-                    open_writable_root(self.stack.lowers(), disk)
+                    adopt_writable_root(disk)
+                    if adoption
+                    else open_writable_root(self.stack.lowers(), disk)
                 )
-                slot = await period.enter_async_context(node.network.open_slot(self.policy))
+                slot = await period.enter_async_context(
+                    node.network.adopt_slot(int(adoption["slot"]))
+                    if adoption
+                    else node.network.open_slot(self.policy)
+                )
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
                 argv, env = envd_command(ENVD_PORT)
@@ -398,14 +423,18 @@ class SandboxActor:
                 )
                 self._period_stack = period
                 self.http = await period.enter_async_context(_http_client())
-                opener = (
-                    node.runtime.open_sandbox(spec)
-                    if image is None
-                    else node.runtime.open_restored(spec, image)
-                )
+                if adoption:
+                    opener = node.runtime.open_adopted(
+                        spec, frozen=adoption["state"] == "frozen"
+                    )
+                elif image is None:
+                    opener = node.runtime.open_sandbox(spec)
+                else:
+                    opener = node.runtime.open_restored(spec, image)
                 self._runtime_stack = await period.enter_async_context(AsyncExitStack())
                 self._running = await self._runtime_stack.enter_async_context(opener)
-                await self._init_envd(resumed=image is not None)
+                if not adoption:
+                    await self._init_envd(resumed=image is not None)
                 self._prior_token = None
             except Exception as exc:
                 if first:
@@ -418,14 +447,27 @@ class SandboxActor:
                 self._resumers.clear()
                 self._running = None
                 return False
-            if first:
+            if adoption:
+                now = trio.current_time()
+                if adoption["state"] == "running":
+                    remaining = float(adoption["endAt"] or 0.0) - time.time()
+                else:
+                    remaining = float(adoption.get("remaining") or 0.0)
+                self.lifecycle.step(lc.Adopted(now, remaining, adoption.get("timeoutS")))
+                self._log(f"taken back {adoption['state']} after a node restart")
+                task_status.started(self)
+                if adoption["state"] == "frozen":  # it still is
+                    self.lifecycle.step(lc.Pause(now))
+                    await self._freeze_for_pause(frozen_already=True)
+            elif first:
                 self.lifecycle.step(lc.Ready(trio.current_time(), self._timeout_s))
                 self._log("running")
+                await self._journal("running")
                 task_status.started(self)
             else:
                 self.lifecycle.step(lc.Resumed(trio.current_time()))
                 self._log("resumed")
-                await self._forget_record()  # running again: a crash now loses it
+                await self._journal("running")
                 for req in self._resumers:
                     req.reply(True)
                 self._resumers.clear()
@@ -456,7 +498,7 @@ class SandboxActor:
                 self.sandbox_ip = None
                 self.http = None
 
-    async def _freeze_for_pause(self) -> bool:
+    async def _freeze_for_pause(self, *, frozen_already: bool = False) -> bool:
         """The fast tier of a full pause: stop every process, keep everything.
 
         False if the runtime could not freeze (the caller falls back to
@@ -464,15 +506,17 @@ class SandboxActor:
         """
         assert self._running is not None
         try:
-            await self._running.freeze()
+            if not frozen_already:
+                await self._running.freeze()
         except Exception as exc:
             self._log(f"freezing failed, writing to disk instead: {exc!r}", level="warn")
             return False
         self.lifecycle.step(lc.Paused(trio.current_time()))
         self.frozen_pause = True
         self.unfrozen = trio.Event()
-        self.paused_at = time.time()
+        self.paused_at = self.paused_at or time.time()
         self._log("paused (frozen)")
+        await self._journal("frozen")
         return True
 
     async def _serve_frozen(self) -> bool:
@@ -503,6 +547,7 @@ class SandboxActor:
             self.lifecycle.step(lc.Resumed(trio.current_time()))
             self.paused_at = None
             self._log("resumed (from memory)")
+            await self._journal("running")
             for r in self._resumers:
                 r.reply(True)
             self._resumers.clear()
@@ -533,6 +578,7 @@ class SandboxActor:
                 req.fail(PauseError(f"pause failed: {exc}"))
             self._pausers.clear()
             self._reopen_http()
+            await self._journal("running")
             if self._hibernating:  # the caller heard "paused": stay paused, in memory
                 self._hibernating = False
                 self.lifecycle.step(lc.Pause(trio.current_time()))
@@ -697,22 +743,43 @@ class SandboxActor:
     async def _persist_paused(self) -> None:
         """Record this paused sandbox durably (its image flushed to disk first).
 
-        A crash before this returns loses the sandbox (nobody was told it
-        paused; it was running, and it is gone); after it, the sandbox
-        survives the crash, paused.
+        A crash before this returns loses the paused state (the journal still
+        says the sandbox runs, and its runtime is gone: it is reported lost);
+        after it, the sandbox survives the crash, paused.
         """
         try:
             if self._resume_image is not None:
                 await trio.to_thread.run_sync(fsync_tree, self._resume_image)
-            doc = self.paused_record()
-            meta = self.node.meta
-            await meta.run(meta.store.put_sandbox, self.sandbox_id, "paused", doc, time.time())
-            self.on_disk = True
         except Exception:
-            log.exception("recording paused sandbox %s failed", self.sandbox_id)
+            log.exception("flushing the memory image of sandbox %s failed", self.sandbox_id)
+            return
+        await self._journal("paused")
+        self.on_disk = self._journaled == "paused"
+
+    async def _journal(self, state: str) -> None:
+        """Write this sandbox's journal record (SQLite, committed before returning):
+        `running` and `frozen` ones are taken back with their runtime after a
+        node restart, `paused` ones from their image. The node's own sandboxes
+        (pool members, warm-ups, builds) are not journaled: a restart reaps them."""
+        if self.hidden:
+            return
+        doc = self.paused_record()
+        doc["state"] = state
+        if state != "paused":
+            doc["period"] = self._period
+            doc["slot"] = None if self._slot is None else self._slot.index
+            doc["endAt"] = self.end_at() if state == "running" else None
+        meta = self.node.meta
+        try:
+            with trio.CancelScope(shield=True):
+                await meta.run(meta.store.put_sandbox, self.sandbox_id, state, doc, time.time())
+            self._journaled = state
+        except Exception:
+            log.exception("journaling sandbox %s (%s) failed", self.sandbox_id, state)
 
     async def _forget_record(self) -> None:
         self.on_disk = False
+        self._journaled = None
         meta = self.node.meta
         with trio.CancelScope(shield=True):
             try:
@@ -721,22 +788,16 @@ class SandboxActor:
                 log.exception("removing the record of sandbox %s failed", self.sandbox_id)
 
     @classmethod
-    def recovered(cls, node: Node, template: Template, doc: dict[str, Any]) -> SandboxActor:
-        """A sandbox paused before a node restart, from its `paused_record`."""
-        p = doc["policy"]
-        policy = EgressPolicy(
-            allow_internet=bool(p["allowInternet"]),
-            allow_out=tuple(p["allowOut"]),
-            deny_out=tuple(p["denyOut"]),
-            allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
-            deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
-        )
+    def from_journal(cls, node: Node, template: Template, doc: dict[str, Any]) -> SandboxActor:
+        """A sandbox an earlier node process journaled (`_journal`): one paused
+        comes back paused, from its image; a running or frozen one is taken
+        back with its runtime, mount and network slot."""
         req = NewSandbox(
             template=template.template_id,
             timeout_s=1,
             metadata=dict(doc["metadata"]),
             env_vars=dict(doc["envVars"]),
-            policy=policy,
+            policy=policy_of(doc),
             allow_internet_access=doc["allowInternetAccess"],
             allow_public_traffic=bool(doc["allowPublicTraffic"]),
             auto_pause=bool(doc["autoPause"]),
@@ -756,11 +817,18 @@ class SandboxActor:
         actor.stack = (
             node.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
         )
-        actor._resume_image = None if doc["image"] is None else actor.workdir / str(doc["image"])
+        image = None if doc["image"] is None else actor.workdir / str(doc["image"])
         actor._captures = int(doc.get("captures") or 0)
-        actor._recovered_remaining = float(doc.get("remaining") or 0.0)
-        actor._recovered_timeout = doc.get("timeoutS")
-        actor.on_disk = True
+        if doc.get("state", "paused") == "paused":
+            actor._resume_image = image
+            actor._recovered_remaining = float(doc.get("remaining") or 0.0)
+            actor._recovered_timeout = doc.get("timeoutS")
+            actor.on_disk = True
+        else:
+            # the image it last started from, if its own (a running one needs none)
+            actor._resume_image = image if image is not None and image.is_dir() else None
+            actor._adoption = doc
+        actor._journaled = doc.get("state", "paused")
         return actor
 
     async def _serve_paused(self) -> bool:
@@ -884,12 +952,14 @@ class SandboxActor:
                     if paused:
                         raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
                     self.lifecycle.step(lc.SetTimeout(trio.current_time(), timeout_s))
+                    await self._journal("running")
                     req.reply(None)
                 case ExtendTimeout(timeout_s):
                     now = trio.current_time()
                     current = self.lifecycle.deadline or now
                     if not paused and now + timeout_s > current:
                         self.lifecycle.step(lc.SetTimeout(now, timeout_s))
+                        await self._journal("running")
                     req.reply(None)
                 case Kill():
                     self.lifecycle.step(lc.Kill())
@@ -900,6 +970,8 @@ class SandboxActor:
                     else:
                         await self._set_network(policy)
                     self.allow_internet_access = allow_internet
+                    if self._journaled is not None:
+                        await self._journal(self._journaled)
                     req.reply(None)
                 case GetUsage():
                     if self._running is None:
@@ -987,6 +1059,7 @@ class SandboxActor:
         self.started_at = time.time()
         self.lifecycle.step(lc.SetTimeout(trio.current_time(), new.timeout_s))
         self.pooled = self.hidden = False
+        await self._journal("running")
         self._log(f"adopted from the pool in {1000 * (time.perf_counter() - t0):.0f} ms")
 
     async def _set_network(self, policy: EgressPolicy) -> None:

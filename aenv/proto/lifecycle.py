@@ -17,7 +17,8 @@ A failed pause leaves the sandbox running; a failed resume leaves it paused.
 A paused sandbox may first be frozen (still in memory) and later written to
 disk: hibernating takes it paused -> pausing -> paused again, its banked TTL
 untouched. A paused sandbox recorded before a node restart starts its new life paused
-(creating -> paused), with the time it had left.
+(creating -> paused), with the time it had left; a running one taken back with its
+runtime goes creating -> running, its deadline where it was.
 """
 
 from __future__ import annotations
@@ -134,6 +135,17 @@ class Recovered:
 
 
 @dataclass(frozen=True)
+class Adopted:
+    """A running sandbox taken back after a node restart: its TTL goes on from
+    the time it had left (an expired one expires at once), and a later resume
+    re-arms `timeout_s` (None: unknown, then `remaining`)."""
+
+    now: float
+    remaining: float
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
 class ResumeFailed:
     error: str
 
@@ -141,6 +153,7 @@ class ResumeFailed:
 Event = (
     Ready
     | Recovered
+    | Adopted
     | Hibernate
     | SetTimeout
     | Expire
@@ -185,6 +198,7 @@ _LIVE = frozenset({State.CREATING, State.RUNNING, State.PAUSING, State.PAUSED, S
 _ALLOWED: dict[type[object], frozenset[State]] = {
     Ready: frozenset({State.CREATING}),
     Recovered: frozenset({State.CREATING}),
+    Adopted: frozenset({State.CREATING}),
     Hibernate: frozenset({State.PAUSED}),
     SetTimeout: frozenset({State.RUNNING}),
     Expire: frozenset({State.RUNNING}),
@@ -232,6 +246,11 @@ class Lifecycle:
                 # the TTL banked at the pause stays banked
                 self.state = State.PAUSING
                 return [Checkpoint()]
+            case Adopted(now, remaining, timeout_s):
+                self.state = State.RUNNING
+                self.deadline = now + max(0.0, remaining)
+                self.timeout_s = timeout_s if timeout_s is not None else max(0.0, remaining)
+                return [ArmDeadline(self.deadline)]
             case Recovered(remaining, timeout_s):
                 self.state = State.PAUSED
                 self.remaining = max(0.0, remaining)

@@ -22,7 +22,7 @@ plus a fresh upper): open files are reopened by path.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +61,10 @@ class Usage:
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or an image could not be restored."""
+
+
+class SandboxGone(RuntimeError):
+    """The sandbox to adopt is not running any more (it exited while nobody watched)."""
 
 
 class RunningSandbox(Protocol):
@@ -128,6 +132,23 @@ class Runtime(Protocol):
         """
         ...
 
-    async def reap_stale(self) -> None:
-        """Remove leftovers of sandboxes from an earlier crashed node process."""
+    def open_adopted(
+        self, spec: SandboxSpec, *, frozen: bool = False
+    ) -> AbstractAsyncContextManager[RunningSandbox]:
+        """Own a sandbox that an earlier node process started with this `spec`
+        and that ran on while no node watched it (its processes and memory
+        untouched); leaving the block stops it as for `open_sandbox`. It is
+        frozen in the block if `frozen`, else running (a process that died
+        between freezing or holding it and recording that leaves it either
+        way). Raises `SandboxGone` if it is not running any more."""
+        ...
+
+    async def remove(self, sandbox_id: str) -> None:
+        """Stop and delete what is left of sandbox `sandbox_id`, if anything (one
+        that could not be adopted)."""
+        ...
+
+    async def reap_stale(self, keep: Collection[str] = ()) -> list[str]:
+        """Remove what sandboxes of an earlier node process left behind, but the
+        sandboxes named in `keep` (being adopted); returns the ids removed."""
         ...

@@ -35,7 +35,7 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from aenv.runtimes.base import CheckpointError, RunningSandbox, Runtime, SandboxSpec, Usage
+from aenv.runtimes.base import (
+    CheckpointError,
+    RunningSandbox,
+    Runtime,
+    SandboxGone,
+    SandboxSpec,
+    Usage,
+)
 
 __all__ = ["GVisorCheckpointError", "GVisorError", "GVisorRuntime", "GVisorSandbox"]
 
@@ -237,12 +244,48 @@ class GVisorRuntime:
             yield sandbox
 
     @asynccontextmanager
+    async def open_adopted(
+        self, spec: SandboxSpec, *, frozen: bool = False
+    ) -> AsyncIterator[GVisorSandbox]:
+        """Own a sandbox an earlier node process started with this `spec`, as
+        `open_sandbox` owns a new one; see `Runtime.open_adopted`."""
+        async with self._open(spec, None, adopt=True) as sandbox:
+            # that process may have died between a freeze (or a hold) and its record
+            paused = await self._status(spec) == "paused"
+            frozen_now = paused or await trio.to_thread.run_sync(sandbox._cgroups.is_frozen)
+            if frozen and not frozen_now:
+                await sandbox.freeze()
+            elif not frozen and frozen_now:
+                await trio.to_thread.run_sync(sandbox._cgroups.set_frozen, False)
+                if paused:
+                    await self._runsc_logged(_PAUSE_TIMEOUT, spec, "resume", spec.sandbox_id)
+            yield sandbox
+
+    async def _status(self, spec: SandboxSpec) -> str:
+        """runsc's status of the sandbox ("running", "paused", ...)."""
+        proc = await trio.run_process(
+            _in_private_netfs(self._command("state", spec.sandbox_id)),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        try:
+            return str(json.loads(proc.stdout)["status"])
+        except (ValueError, KeyError, TypeError):
+            raise SandboxGone(
+                f"runsc state {spec.sandbox_id}: {proc.stderr.decode(errors='replace')[-500:]}"
+            ) from None
+
+    @asynccontextmanager
     async def _open(
-        self, spec: SandboxSpec, image_dir: Path | None
+        self, spec: SandboxSpec, image_dir: Path | None, *, adopt: bool = False
     ) -> AsyncIterator[GVisorSandbox]:
         cgroups = _Cgroups(f"/{self.cgroup_parent}/{spec.sandbox_id}")
         try:
-            sandbox = await self._start(spec, cgroups, image_dir)
+            if adopt:
+                sandbox = await trio.to_thread.run_sync(self._running, spec, cgroups)
+            else:
+                sandbox = await self._start(spec, cgroups, image_dir)
             yield sandbox
         finally:
             with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
@@ -278,6 +321,17 @@ class GVisorRuntime:
                 f"{_tail(spec.log_path)}"
             )
         pid = int(pid_file.read_text().strip())
+        return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self)
+
+    def _running(self, spec: SandboxSpec, cgroups: _Cgroups) -> GVisorSandbox:
+        """The sandbox runsc runs as `spec.sandbox_id`, if it is alive (blocking)."""
+        try:
+            state = json.loads(self._state_file(spec.sandbox_id).read_text())
+            pid = int(state["sandbox"]["pid"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SandboxGone(f"runsc has no sandbox {spec.sandbox_id}: {exc}") from None
+        if not _alive(pid):
+            raise SandboxGone(f"the runsc sandbox {spec.sandbox_id} (pid {pid}) has exited")
         return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self)
 
     def _command(self, *args: str) -> list[str]:
@@ -410,14 +464,20 @@ class GVisorRuntime:
 
     # -- crash recovery -------------------------------------------------
 
-    async def reap_stale(self) -> None:
-        """Kill and delete every container runsc knows under `state_root`, and its cgroups."""
+    async def reap_stale(self, keep: Collection[str] = ()) -> list[str]:
+        """Kill and delete every container runsc knows under `state_root`, and its
+        cgroups, but those named in `keep`; returns the ids reaped."""
         if not self.state_root.is_dir():
-            return
-        ids = await trio.to_thread.run_sync(self._stale_ids)
+            return []
+        ids = [i for i in await trio.to_thread.run_sync(self._stale_ids) if i not in keep]
         for sandbox_id in ids:
-            with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
-                await self._stop(sandbox_id, _Cgroups(f"/{self.cgroup_parent}/{sandbox_id}"))
+            await self.remove(sandbox_id)
+        return ids
+
+    async def remove(self, sandbox_id: str) -> None:
+        """Stop and delete sandbox `sandbox_id` and its cgroups, if anything of it is left."""
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
+            await self._stop(sandbox_id, _Cgroups(f"/{self.cgroup_parent}/{sandbox_id}"))
 
     def _stale_ids(self) -> list[str]:
         ids = {p.name.split("_sandbox:", 1)[0] for p in self.state_root.glob("*_sandbox:*")}
@@ -552,6 +612,14 @@ class _Cgroups:
                     return True
             time.sleep(0.001)
         return True
+
+    def is_frozen(self) -> bool:
+        """Whether the cgroup v2 freezer holds the sandbox (False where there is none)."""
+        if not self.is_v2():
+            return False
+        with contextlib.suppress(OSError):
+            return "frozen 1" in (CGROUP_ROOT / self.path / "cgroup.events").read_text()
+        return False
 
     def pids(self) -> list[int]:
         found: list[int] = []

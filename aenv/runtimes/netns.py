@@ -22,7 +22,7 @@ import logging
 import re
 import subprocess
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,28 +103,30 @@ async def _list_links() -> list[str]:
     return [str(e["ifname"]) for e in json.loads(out or "[]") if "ifname" in e]
 
 
-async def reap_stale(*, prefix: str, table: str) -> list[str]:
-    """Delete netns `{prefix}-N`, links `{prefix}hN` and table `inet {table}`.
+async def reap_stale(*, prefix: str, table: str, keep: Collection[int] = ()) -> list[str]:
+    """Delete netns `{prefix}-N`, links `{prefix}hN` and table `inet {table}`,
+    but the slots numbered in `keep` (and then the table, which the caller
+    replaces atomically with their rules in it).
 
     Returns what was removed. Only names of exactly those shapes are touched,
     so another node's prefix (or a test's) is left alone.
     """
     removed: list[str] = []
-    link_re = re.compile(rf"^{re.escape(prefix)}h\d+$")
-    ns_re = re.compile(rf"^{re.escape(prefix)}-\d+$")
+    link_re = re.compile(rf"^{re.escape(prefix)}h(\d+)$")
+    ns_re = re.compile(rf"^{re.escape(prefix)}-(\d+)$")
     for name in await _list_links():
-        if link_re.match(name):
+        if (m := link_re.match(name)) and int(m.group(1)) not in keep:
             try:
                 await _run(["ip", "link", "del", "dev", name])
                 removed.append(f"link {name}")
             except NetworkSetupError as exc:  # gone already (a peer of one we removed)
                 log.warning("reap: %s", exc)
     for name in await _list_netns():
-        if ns_re.match(name):
+        if (m := ns_re.match(name)) and int(m.group(1)) not in keep:
             await _run(["ip", "netns", "del", name])
             removed.append(f"netns {name}")
     tables = await _run(["nft", "list", "tables", "inet"])
-    if f"table inet {table}" in tables.splitlines():
+    if not keep and f"table inet {table}" in tables.splitlines():
         await _nft(f"delete table inet {table}\n")
         removed.append(f"table inet {table}")
     return removed
@@ -144,6 +146,8 @@ class HostNetwork:
         # (conntrack entries of the previous sandbox expire meanwhile).
         self._free: deque[int] = deque(range(max_slots))
         self._open: dict[int, NetSlot] = {}
+        # slots an earlier node process made, kept for their sandboxes' adoption
+        self._adoptable: dict[int, NetSlot] = {}
         self._quarantined: set[int] = set()
         self._closed = False
         self._ipv6 = _ipv6_present()
@@ -181,6 +185,26 @@ class HostNetwork:
         """A fresh slot with `policy`; leaving the block deletes it."""
         return self._open_slot(policy)
 
+    def adopt_slot(self, index: int) -> AbstractAsyncContextManager[NetSlot]:
+        """Own slot `index`, which an earlier node process made and this one kept
+        (`open_host_network(adopt=...)`), as `open_slot` owns a new one."""
+        return self._adopt_slot(index)
+
+    @asynccontextmanager
+    async def _adopt_slot(self, index: int) -> AsyncIterator[NetSlot]:
+        slot = self._adoptable.pop(index, None)
+        if slot is None or self._closed:
+            raise RuntimeError(f"network slot {index} was not kept for adoption")
+        self._open[index] = slot
+        async with self._owned(slot):
+            yield slot
+
+    async def release_unadopted(self) -> None:
+        """Delete the kept slots nobody adopted (their sandboxes could not be taken back)."""
+        for index in list(self._adoptable):
+            async with self._adopt_slot(index):
+                pass
+
     @asynccontextmanager
     async def _open_slot(self, policy: EgressPolicy) -> AsyncIterator[NetSlot]:
         if self._closed:
@@ -189,10 +213,16 @@ class HostNetwork:
             raise NoFreeSlot(f"all {self._max_slots} network slots are in use")
         slot = self._slot(self._free.popleft())
         self._open[slot.index] = slot
-        try:
+        async with self._owned(slot):
             await self._create(slot, policy)
             self._opened_total += 1
             yield slot
+
+    @asynccontextmanager
+    async def _owned(self, slot: NetSlot) -> AsyncIterator[None]:
+        """Delete `slot` when the block is left; its index is free again if that worked."""
+        try:
+            yield
         finally:
             with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
                 ok = await self._destroy(slot)
@@ -290,8 +320,14 @@ async def open_host_network(
     table: str = "aenv",
     max_slots: int = 1024,
     egress_cap: Sequence[str] = ("0.0.0.0/0",),
+    adopt: Mapping[int, EgressPolicy] | None = None,
 ) -> AsyncIterator[HostNetwork]:
     """Set the host up for sandbox slots; leaving the block removes all of it.
+
+    `adopt` names slots an earlier node process made whose sandboxes this one
+    takes over, with their policies: their netns and veths are kept (if they
+    are still there), their rules rewritten in the same transaction that
+    replaces the table, and `HostNetwork.adopt_slot` hands each out once.
 
     Needs root, `ip` (iproute2) and `nft` (nftables). Leaves IPv4 forwarding on.
     """
@@ -304,12 +340,21 @@ async def open_host_network(
         raise ValueError(f"{cidr} holds {net.num_addresses // 4} /30 slots, not {max_slots}")
     if len(f"{prefix}h{max_slots - 1}") > _IFNAMSIZ:
         raise ValueError(f"prefix {prefix!r} too long for {max_slots} slots' interface names")
-    removed = await reap_stale(prefix=prefix, table=table)
+    adopt = {i: p for i, p in (adopt or {}).items() if 0 <= i < max_slots}
+    removed = await reap_stale(prefix=prefix, table=table, keep=adopt.keys())
     if removed:
         log.warning("reaped stale network state: %s", ", ".join(removed))
     await trio.Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
-    await _nft(render_table(table=table, cidr=str(net), egress_cap=egress_cap))
     network = HostNetwork(cidr=net, prefix=prefix, table=table, max_slots=max_slots)
+    present = set(await _list_netns()) if adopt else set()
+    kept = [network._slot(i) for i in sorted(adopt)]
+    kept = [slot for slot in kept if slot.netns_name in present]
+    script = render_table(table=table, cidr=str(net), egress_cap=egress_cap)
+    script += "".join("\n" + network._rules(slot, adopt[slot.index]) for slot in kept)
+    await _nft(script)
+    for slot in kept:
+        network._adoptable[slot.index] = slot
+        network._free.remove(slot.index)
     try:
         yield network
     finally:

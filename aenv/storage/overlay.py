@@ -6,7 +6,9 @@ overlayfs. gVisor's gofer then writes through to that upper directory, which
 is what pause, snapshot and fork freeze into a new layer. `open_writable_root`
 owns one such mount for the length of an `async with` block and removes it,
 and its scratch directory, on the way out, also when cancelled;
-`reap_stale_mounts` clears what a crashed node left behind. mount(8) and
+`adopt_writable_root` takes over such a mount that an earlier node process
+made (a sandbox that ran on while the node restarted), and
+`reap_stale_mounts` clears the others it left behind. mount(8) and
 umount(8) run in worker threads. To keep the upper (pause, snapshot, fork),
 `unmount_root` unmounts the overlay inside the block and hands back the
 upper directory for `aenv.storage.layers.LayerStore.freeze` to move away.
@@ -18,7 +20,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import trio
 __all__ = [
     "MAX_MOUNT_OPTIONS",
     "OverlayError",
+    "adopt_writable_root",
     "open_writable_root",
     "reap_stale_mounts",
     "unmount_root",
@@ -54,15 +57,34 @@ async def open_writable_root(lowers: Sequence[Path], workdir: Path) -> AsyncIter
     """
     if not lowers:
         raise OverlayError("an overlay needs at least one lower layer")
-    merged = workdir / "merged"
     await trio.to_thread.run_sync(_prepare, workdir)
-    try:
+    async with _owned(workdir):
         await trio.to_thread.run_sync(_mount, [Path(p) for p in lowers], workdir)
+        yield workdir / "merged"
+
+
+@asynccontextmanager
+async def adopt_writable_root(workdir: Path) -> AsyncIterator[Path]:
+    """Own the overlay an earlier node process mounted at `workdir/merged`, as
+    `open_writable_root` owns a new one. Raises OverlayError if it is not mounted."""
+    merged = workdir / "merged"
+    if not await trio.to_thread.run_sync(_is_mountpoint, merged):
+        raise OverlayError(f"{merged} is not mounted any more")
+    async with _owned(workdir):
+        yield merged
+
+
+@asynccontextmanager
+async def _owned(workdir: Path) -> AsyncIterator[None]:
+    """Unmount `workdir/merged` (if mounted) and remove `workdir` when the block is left."""
+    try:
         try:
-            yield merged
+            yield
         finally:
             with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
-                await trio.to_thread.run_sync(_unmount, merged, abandon_on_cancel=True)
+                await trio.to_thread.run_sync(
+                    _unmount, workdir / "merged", abandon_on_cancel=True
+                )
     finally:
         with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
             await trio.to_thread.run_sync(_remove, workdir, abandon_on_cancel=True)
@@ -95,16 +117,20 @@ def _unmount_strict(mountpoint: Path, retry_s: float = 2.0) -> None:
         time.sleep(0.05)
 
 
-def reap_stale_mounts(root: Path) -> None:
-    """Unmount every overlay mounted at or below `root` (blocking; run it in a thread).
+def reap_stale_mounts(root: Path, keep: Collection[Path] = ()) -> list[Path]:
+    """Unmount every overlay mounted at or below `root` but those in `keep`
+    (blocking; run it in a thread); returns what it unmounted.
 
-    For a node restarting after a crash: those mounts belong to sandboxes
-    that no longer exist. Deepest mounts go first; busy ones are detached
-    lazily. Directories are left in place.
+    For a node restarting: those mounts belong to sandboxes that no longer
+    exist (the ones in `keep` are being taken over). Deepest mounts go first;
+    busy ones are detached lazily. Directories are left in place.
     """
     root = Path(os.path.abspath(root))
-    for mountpoint in sorted(_overlay_mounts_under(root), key=lambda p: len(p.parts), reverse=True):
+    kept = {Path(os.path.abspath(p)) for p in keep}
+    stale = [mp for mp in _overlay_mounts_under(root) if mp not in kept]
+    for mountpoint in sorted(stale, key=lambda p: len(p.parts), reverse=True):
         _unmount(mountpoint)
+    return stale
 
 
 def _prepare(workdir: Path) -> None:

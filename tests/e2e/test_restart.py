@@ -9,8 +9,10 @@ listed after a crash must start. Nothing of the node may leak at the end.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +37,13 @@ pytestmark = [requires_node, pytest.mark.runsc]
 
 PREFIX = "aenvw"
 # paused sandboxes go to disk a second after their pause (the default is a minute)
-ENV = {"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": "10.232.0.0/16", "AENV_HIBERNATE_AFTER": "1"}
+ENV = {
+    "AENV_NET_PREFIX": PREFIX,
+    "AENV_SLOT_CIDR": "10.232.0.0/16",
+    "AENV_HIBERNATE_AFTER": "1",
+    # a stop leaves running sandboxes running, as a deployed node does
+    "AENV_ON_STOP": "keep",
+}
 TEMPLATE = "busybox"
 
 
@@ -88,6 +96,16 @@ def node_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Resta
     try:
         yield r
     finally:
+        # what the test left running runs on through a stop: kill it through the API
+        with contextlib.suppress(Exception):
+            if r.node is None:
+                r.start()
+            for sb in r.get("/v2/sandboxes?state=running&state=paused").json():
+                httpx.delete(
+                    f"{r.node.url}/sandboxes/{sb['sandboxID']}",  # type: ignore[union-attr]
+                    headers={"X-API-Key": r.key},
+                    timeout=60,
+                )
         if r.node is not None:
             with contextlib.suppress(Exception):
                 r.stop()
@@ -151,8 +169,75 @@ def test_a_paused_sandbox_survives_restarts_and_crashes(node_home: Restartable) 
     assert r.get(f"/sandboxes/{sid}").status_code == 404
 
 
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "graceful"])
+def test_sandboxes_run_on_through_a_node_restart(node_home: Restartable, how: int) -> None:
+    """Running sandboxes keep running (their processes work on while no node
+    runs), one paused in memory resumes with its memory, TTLs go on."""
+    r = node_home
+    r.start()
+    running, _ = _counting()
+    paused, paused_at = _counting()
+    paused.pause()
+    end_at = Sandbox.get_info(running.sandbox_id).end_at
+    ps = running.commands.run("ps -o pid,args").stdout
+
+    r.stop(how)
+    time.sleep(2)
+    r.start()
+    # before any connect (which sets a timeout of its own): the TTL went on
+    info = Sandbox.get_info(running.sandbox_id)
+    assert abs((info.end_at - end_at).total_seconds()) < 1, (info.end_at, end_at)
+
+    again = Sandbox.connect(running.sandbox_id)
+    count_before = count(again)
+    # the counter went on while no node ran: ~10 a second for the 2 s it was down
+    assert count_before >= 15, count_before
+    assert again.commands.run("ps -o pid,args").stdout.splitlines()[1:3] == (
+        ps.splitlines()[1:3]
+    )
+    assert again.files.read("/tmp/kept.txt") == "written before the pause"
+
+    listed = {x["sandboxID"]: x["state"] for x in r.get("/v2/sandboxes?state=paused").json()}
+    assert listed.get(paused.sandbox_id) == "paused", listed
+    woke = Sandbox.connect(paused.sandbox_id)
+    assert count(woke) >= paused_at
+    counts_on(woke)
+
+    # the node works as before: a new sandbox, a kill, nothing else left behind
+    fresh = Sandbox.create(TEMPLATE, timeout=60)
+    assert fresh.commands.run("echo ok").stdout.strip() == "ok"
+    for sb in (fresh, again, woke):
+        sb.kill()
+    assert r.get(f"/sandboxes/{running.sandbox_id}").status_code == 404
+
+
+def test_a_sandbox_that_died_while_the_node_was_down_is_reported(
+    node_home: Restartable,
+) -> None:
+    r = node_home
+    r.start()
+    s = Sandbox.create(TEMPLATE, timeout=300)
+    sid = s.sandbox_id
+    r.stop(signal.SIGKILL)
+    # its runtime dies while no node watches it
+    pids = subprocess.run(
+        ["pgrep", "-f", f"runsc-sandbox.*{sid}"], capture_output=True, text=True
+    ).stdout.split()
+    assert pids, "no runsc sandbox process found"
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    r.start()
+    got = r.get(f"/sandboxes/{sid}")
+    assert got.status_code == 404
+    assert "stopped while the node was down" in got.json()["message"], got.text
+    metrics = r.get("/metrics").text
+    assert "aenv_sandboxes_lost_total 1" in metrics, metrics
+
+
 @pytest.mark.parametrize("delay", [0.05, 0.2])
-def test_a_crash_mid_pause_leaves_it_paused_or_gone(node_home: Restartable, delay: float) -> None:
+def test_a_crash_mid_pause_leaves_it_paused_or_running(
+    node_home: Restartable, delay: float
+) -> None:
     r = node_home
     r.start()
     s, before = _counting()
@@ -169,11 +254,15 @@ def test_a_crash_mid_pause_leaves_it_paused_or_gone(node_home: Restartable, dela
     t.join(10)
     r.start()
     got = r.get(f"/sandboxes/{sid}")
-    assert got.status_code in (200, 404), got.text
-    if got.status_code == 200:
-        assert got.json()["state"] == "paused"
+    assert got.status_code == 200, got.text
+    if got.json()["state"] == "paused":  # the pause was done
         _paused_then_resumes(r, sid, before)
-        Sandbox.connect(sid).kill()
+    else:  # it was not: the sandbox runs on, its processes too
+        assert got.json()["state"] == "running", got.text
+        s = Sandbox.connect(sid)
+        assert count(s) >= before
+        counts_on(s)
+    Sandbox.connect(sid).kill()
 
 
 def test_a_crash_mid_snapshot_leaves_no_broken_snapshot(node_home: Restartable) -> None:
@@ -193,7 +282,9 @@ def test_a_crash_mid_snapshot_leaves_no_broken_snapshot(node_home: Restartable) 
     r.stop(signal.SIGKILL)
     t.join(10)
     r.start()
-    assert r.get(f"/sandboxes/{sid}").status_code == 404  # it was running: gone
+    got = r.get(f"/sandboxes/{sid}")  # it was running: it runs on
+    assert got.status_code == 200 and got.json()["state"] == "running", got.text
+    assert Sandbox.connect(sid).files.read("/tmp/kept.txt") == "written before the snapshot"
     snaps = r.get("/snapshots").json()
     for snap in snaps:  # whatever is listed is whole and starts
         child = Sandbox.create(snap["snapshotID"], timeout=60)

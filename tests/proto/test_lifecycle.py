@@ -189,3 +189,18 @@ def test_recovered_sandbox_starts_paused_with_the_time_it_had_left() -> None:
     running.step(lc.Ready(0.0, 10))
     with pytest.raises(lc.InvalidTransition):
         running.step(lc.Recovered(5.0))
+
+
+def test_a_sandbox_taken_back_after_a_restart_keeps_its_deadline() -> None:
+    m = lc.Lifecycle()
+    assert m.step(lc.Adopted(500.0, 42.0, timeout_s=300.0)) == [lc.ArmDeadline(542.0)]
+    assert m.state is lc.State.RUNNING
+    assert m.step(lc.Expire(541.0)) == []
+    assert m.step(lc.Expire(542.0)) == [lc.StopRuntime(lc.StopReason.TIMEOUT)]
+    # its deadline passed while the node was down: it expires at once
+    late = lc.Lifecycle(auto_pause=True)
+    assert late.step(lc.Adopted(500.0, -10.0, timeout_s=60.0)) == [lc.ArmDeadline(500.0)]
+    assert late.step(lc.Expire(500.0)) == [lc.Checkpoint()]
+    late.step(lc.Paused(500.5))
+    late.step(lc.Resume(600.0))
+    assert late.step(lc.Resumed(600.0)) == [lc.ArmDeadline(660.0)]
