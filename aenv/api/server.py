@@ -85,6 +85,8 @@ async def serve(
                 log.info("aenv node listening on http://%s (home %s)", config.listen, config.home)
                 task_status.started(node)
             # Hypercorn has drained its connections; stop the rest
+            if config.on_stop == "keep" and shutdown.is_set():
+                await node.park_node_served()  # they cannot run on without this process
             await node.hibernate_paused()  # paused in memory: to disk, to survive
             running = node.statistics()["running"]
             if config.on_stop == "keep" and shutdown.is_set() and running:

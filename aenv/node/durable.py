@@ -46,6 +46,7 @@ import trio
 
 from aenv.images.objects import layer_key
 from aenv.images.store import ImageNotPulled, ImageRecord
+from aenv.kit.faults import crash_point
 from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot
 from aenv.node.warm import is_internal
 from aenv.proto.ids import InvalidName, check_name
@@ -162,6 +163,7 @@ class Durable:
                     try:
                         async with self._limiter:
                             report = await self._upload_once(doc)
+                        crash_point("upload.stored")
                     except StoreError as exc:
                         level = (
                             logging.WARNING if isinstance(exc, StoreUnavailable) else logging.ERROR

@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import functools
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -28,13 +29,14 @@ import trio
 from aenv.config import Config
 from aenv.images.service import Images, open_images
 from aenv.images.store import ImageRecord
+from aenv.kit.faults import crash_point
 from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
 from aenv.node import pressure
 from aenv.node.builds import Builds
 from aenv.node.durable import Durable
 from aenv.node.pool import Pool
-from aenv.node.sandbox import Fork, SandboxActor, Snapshot, policy_of
+from aenv.node.sandbox import Fork, Resume, SandboxActor, Snapshot, policy_of
 from aenv.node.snapshots import CorruptSnapshot, Snapshots
 from aenv.node.warm import Warmer
 from aenv.proto import ids
@@ -65,6 +67,10 @@ class SandboxNotFound(LookupError):
     def __init__(self, sandbox_id: str, why: str | None = None) -> None:
         super().__init__(f"sandbox {sandbox_id!r} " + (why or "not found"))
         self.sandbox_id = sandbox_id
+
+
+class SandboxLost(Exception):
+    """A journaled sandbox cannot be taken back after a restart (the message says why)."""
 
 
 # how long a sandbox lost at a restart is still answered for with the reason
@@ -281,9 +287,21 @@ class Node:
                 missing = await trio.to_thread.run_sync(_missing_parts, actor)
                 if missing:
                     raise FileNotFoundError(missing)
+                if state != "paused" and await trio.to_thread.run_sync(actor.on_node_served_fs):
+                    raise SandboxLost(
+                        "its root file system was served by the node process that stopped "
+                        "(an image template's layers)"
+                    )
                 await self._launch(actor)
                 self.m_taken_back.inc(state=state)
                 log.info("took back %s sandbox %s", state, sandbox_id)
+                if actor.resume_at_start:  # paused by the node's stop, not by its user
+                    self.start_background(
+                        functools.partial(
+                            actor.mailbox.ask, Resume(max(1, math.ceil(doc.get("remaining") or 0)))
+                        ),
+                        f"resuming sandbox {sandbox_id} after the restart",
+                    )
             except Exception as exc:
                 why = (
                     f"stopped while the node was down ({exc})"
@@ -470,6 +488,7 @@ class Node:
             async with trio.open_nursery() as n:
                 for i in range(fork.count):
                     n.start_soon(one, i)
+            crash_point("fork.children-started")
         finally:
             # every child has restored from it (or failed): the image has done its work
             with trio.CancelScope(shield=True):
@@ -502,6 +521,7 @@ class Node:
     async def _snapshot(self, doc: dict[str, Any], image: Path | None, req: Request[Any]) -> None:
         try:
             recorded = await self.snapshots.record(doc=doc, image=image)
+            crash_point("snapshot.recorded")
             self.durable.spawn(recorded)  # uploads in the background
             req.reply(recorded)
         except Exception as exc:
@@ -558,6 +578,31 @@ class Node:
                 log.exception("%s failed", what)
 
         self._nursery.start_soon(run)
+
+    async def park_node_served(self, *, within_s: float = 60.0) -> None:
+        """Pause (to disk, with memory) the running sandboxes whose root this node
+        process serves, before it stops without stopping sandboxes: they could
+        not run on without it. The next node process resumes them at start."""
+        from aenv.node.sandbox import Pause
+
+        served = [
+            a
+            for a in self._sandboxes.values()
+            if not a.hidden
+            and a.state is lc.State.RUNNING
+            and await trio.to_thread.run_sync(a.on_node_served_fs)
+        ]
+        if not served:
+            return
+        log.info("pausing %d sandboxes on image layers this node serves", len(served))
+        with trio.move_on_after(within_s):
+            for actor in served:
+                try:
+                    actor.resume_at_start = True
+                    await actor.mailbox.ask(Pause("full"), timeout=within_s)
+                except Exception as exc:
+                    actor.resume_at_start = False
+                    log.warning("pausing sandbox %s failed: %r", actor.sandbox_id, exc)
 
     async def hibernate_paused(self, *, within_s: float = 60.0) -> None:
         """Write every sandbox paused in memory to disk (before a clean shutdown),

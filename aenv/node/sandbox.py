@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import datetime
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -27,6 +28,7 @@ import httpx
 import trio
 
 from aenv.kit import tcpstate
+from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree
 from aenv.kit.mailbox import Mailbox, Request
 from aenv.proto import lifecycle as lc
@@ -205,6 +207,8 @@ class SandboxActor:
         self.allow_public_traffic = req.allow_public_traffic
         self.auto_pause = req.auto_pause
         self.auto_resume = req.auto_resume
+        # paused by a node stop (its root is served by the node): resumed at start
+        self.resume_at_start = False
         self.cpu_count = req.cpu_count or template.cpu_count
         self.memory_mb = req.memory_mb or template.memory_mb
         self.envd_access_token = secrets.token_urlsafe(24)
@@ -434,6 +438,7 @@ class SandboxActor:
                 self._runtime_stack = await period.enter_async_context(AsyncExitStack())
                 self._running = await self._runtime_stack.enter_async_context(opener)
                 if not adoption:
+                    crash_point("create.started" if first else "resume.restored")
                     await self._init_envd(resumed=image is not None)
                 self._prior_token = None
             except Exception as exc:
@@ -463,6 +468,7 @@ class SandboxActor:
                 self.lifecycle.step(lc.Ready(trio.current_time(), self._timeout_s))
                 self._log("running")
                 await self._journal("running")
+                crash_point("create.journaled")
                 task_status.started(self)
             else:
                 self.lifecycle.step(lc.Resumed(trio.current_time()))
@@ -511,6 +517,7 @@ class SandboxActor:
         except Exception as exc:
             self._log(f"freezing failed, writing to disk instead: {exc!r}", level="warn")
             return False
+        crash_point("pause.frozen")
         self.lifecycle.step(lc.Paused(trio.current_time()))
         self.frozen_pause = True
         self.unfrozen = trio.Event()
@@ -586,10 +593,13 @@ class SandboxActor:
                     self._log("the sandbox runs again: it could not be frozen", level="error")
             return False
         # stop (or clean up after) the runtime, then freeze what it wrote
+        what = "hibernate" if self._hibernating else "pause"
+        crash_point(f"{what}.captured")
         assert self._runtime_stack is not None
         await self._runtime_stack.aclose()
         upper = await unmount_root(disk)
         layer = await self.node.layers.freeze(upper, below=self.stack)
+        crash_point(f"{what}.layer-frozen")
         self.stack = await self.node.layers.limit_depth(self.node.layers.chain(layer))
         self._upper, self._live = None, None
         self._hibernating = False
@@ -635,6 +645,7 @@ class SandboxActor:
                 )
                 stack = await self.node.layers.limit_depth(captured.stack)
                 self._live = dataclasses.replace(captured, stack=stack)
+                crash_point("fork.captured" if isinstance(msg, Fork) else "snapshot.captured")
                 # the children start restoring while the source is let go
                 if isinstance(msg, Fork):
                     assert image is not None
@@ -697,6 +708,19 @@ class SandboxActor:
             self.http = _http_client()
             self._period_stack.push_async_callback(self.http.aclose)
 
+    def on_node_served_fs(self) -> bool:
+        """Whether its root stands on layers this node process serves (an image
+        template's tree, a lazily restored layer: the image FUSE mount), which
+        stop working when the process does (blocking: reads symlinks)."""
+        mount = Path(os.path.abspath(self.node.config.run_dir / "images"))
+        for lower in self.stack.lowers():
+            path = Path(os.path.abspath(lower))
+            if path.is_symlink():
+                path = Path(os.path.abspath(path.parent / os.readlink(path)))
+            if path.is_relative_to(mount):
+                return True
+        return False
+
     def layer_ids(self) -> set[str]:
         """Layers this sandbox stands on or captured last (garbage collection keeps them)."""
         live = set(self.stack.ids())
@@ -738,6 +762,7 @@ class SandboxActor:
             "remaining": self.lifecycle.remaining or 0.0,
             "timeoutS": self.lifecycle.timeout_s,
             "captures": self._captures,
+            "resumeAtStart": self.resume_at_start,
         }
 
     async def _persist_paused(self) -> None:
@@ -829,6 +854,7 @@ class SandboxActor:
             actor._resume_image = image if image is not None and image.is_dir() else None
             actor._adoption = doc
         actor._journaled = doc.get("state", "paused")
+        actor.resume_at_start = bool(doc.get("resumeAtStart"))
         return actor
 
     async def _serve_paused(self) -> bool:

@@ -32,6 +32,7 @@ from tests.conftest import (
     stop_node,
 )
 from tests.e2e.counter import COUNTER, count, counts_on
+from tests.registry import LocalRegistry, push_busybox
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -100,7 +101,7 @@ def node_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Resta
         with contextlib.suppress(Exception):
             if r.node is None:
                 r.start()
-            for sb in r.get("/v2/sandboxes?state=running&state=paused").json():
+            for sb in r.get("/v2/sandboxes?state=running,paused").json():
                 httpx.delete(
                     f"{r.node.url}/sandboxes/{sb['sandboxID']}",  # type: ignore[union-attr]
                     headers={"X-API-Key": r.key},
@@ -209,6 +210,36 @@ def test_sandboxes_run_on_through_a_node_restart(node_home: Restartable, how: in
     for sb in (fresh, again, woke):
         sb.kill()
     assert r.get(f"/sandboxes/{running.sandbox_id}").status_code == 404
+
+
+def test_image_sandboxes_are_paused_through_a_stop_and_reported_after_a_crash(
+    node_home: Restartable, registry: LocalRegistry
+) -> None:
+    """An image template's root is served by the node process: a stop pauses
+    such a sandbox (with its memory) and the next start resumes it; a crash
+    cannot keep it, and the restarted node says so."""
+    img = push_busybox(registry, "restartable", "1")
+    r = node_home
+    r.start()
+    s = Sandbox.create(img.ref, timeout=300)
+    s.commands.run(COUNTER, background=True)
+    before = counts_on(s)
+
+    r.stop()
+    r.start()
+    deadline = time.monotonic() + 60
+    while r.get(f"/sandboxes/{s.sandbox_id}").json()["state"] != "running":
+        assert time.monotonic() < deadline, "not resumed after the restart"
+        time.sleep(0.2)
+    again = Sandbox.connect(s.sandbox_id)
+    assert count(again) >= before  # memory kept: the counter went on from where it was
+    counts_on(again)
+
+    r.stop(signal.SIGKILL)
+    r.start()
+    got = r.get(f"/sandboxes/{s.sandbox_id}")
+    assert got.status_code == 404
+    assert "served by the node process" in got.json()["message"], got.text
 
 
 def test_a_sandbox_that_died_while_the_node_was_down_is_reported(
