@@ -75,7 +75,9 @@ class Node:
         self.proc = start_node(
             self.home, api_key=self.key, log_path=self.home / "node.log", extra_env=self.env
         )
-        return time.perf_counter() - t0  # start_node returns once /health answers
+        took = time.perf_counter() - t0  # start_node returns once /health answers
+        os.environ.update({"E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url})
+        return took
 
     @property
     def url(self) -> str:
@@ -192,7 +194,6 @@ def main() -> int:
         assert baseline.proc is not None
         stop_node(baseline.proc)
         node.start()
-        os.environ.update({"E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url})
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             made = list(
@@ -202,9 +203,7 @@ def main() -> int:
         running, paused = made[: args.running], made[args.running :]
         result["pause_s"] = stats([node.pause(sb["sandboxID"]) for sb in paused])
         for name, how in (("kill-9", signal.SIGKILL), ("graceful", signal.SIGTERM)):
-            os.environ.update({"E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url})
             result[name] = _restart(node, how, running, paused, args)
-            os.environ.update({"E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url})
     finally:
         if node.proc is not None:
             try:
