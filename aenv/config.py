@@ -49,6 +49,10 @@ class Config:
     # A full pause freezes the sandbox in memory; after this long paused it is
     # written to disk and its memory released (AENV_HIBERNATE_AFTER, seconds).
     hibernate_after_s: float = 60.0
+    # A sandbox frozen this long gets a write-behind copy on disk (memory image
+    # and a layer of its files) while it stays frozen: a host reboot keeps it
+    # (AENV_WRITE_BEHIND_AFTER, seconds; 0: off).
+    write_behind_s: float = 30.0
     # ... or at once, longest paused first, while the host's available memory
     # is below this percentage of its total (AENV_HIBERNATE_MEMORY_LOW; 0: never).
     hibernate_memory_low_pct: float = 10.0
@@ -161,6 +165,8 @@ class Config:
             kw["warm_templates"] = _flag(env["AENV_WARM_TEMPLATES"])
         if env.get("AENV_HIBERNATE_AFTER"):
             kw["hibernate_after_s"] = float(env["AENV_HIBERNATE_AFTER"])
+        if env.get("AENV_WRITE_BEHIND_AFTER"):
+            kw["write_behind_s"] = float(env["AENV_WRITE_BEHIND_AFTER"])
         if env.get("AENV_HIBERNATE_MEMORY_LOW"):
             pct = float(env["AENV_HIBERNATE_MEMORY_LOW"].rstrip("%"))
             if not 0 <= pct <= 100:

@@ -259,7 +259,7 @@ class Node:
     async def journaled_layer_ids(self) -> set[str]:
         """Layers that journaled sandboxes stand on (kept across restarts)."""
         docs = await self.meta.run(self.meta.store.list_sandboxes)
-        return {lid for d in docs for lid in d.get("layers") or ()}
+        return {lid for d in docs for k in ("layers", "durableLayers") for lid in d.get(k) or ()}
 
     async def recover(self) -> None:
         """Take back the sandboxes an earlier node process journaled.
@@ -273,60 +273,86 @@ class Node:
         """
         docs = await self.meta.run(self.meta.store.list_sandboxes)
         for doc in docs:
-            sandbox_id = str(doc.get("sandboxID"))
-            state = str(doc.get("state") or "paused")  # records before the journal: paused
-            if state == "lost":
-                if time.time() - float(doc.get("lostAt") or 0) < LOST_KEPT_S:
-                    self.lost[sandbox_id] = str(doc.get("why") or "was lost")
-                else:
-                    await self.meta.run(self.meta.store.delete_sandbox, sandbox_id)
-                continue
-            try:
-                template = await self.resolve_template(str(doc["templateID"]))
-                actor = SandboxActor.from_journal(self, template, doc)
-                missing = await trio.to_thread.run_sync(_missing_parts, actor)
-                if missing:
-                    raise FileNotFoundError(missing)
-                if state != "paused" and await trio.to_thread.run_sync(actor.on_node_served_fs):
-                    raise SandboxLost(
-                        "its root file system was served by the node process that stopped "
-                        "(an image template's layers)"
-                    )
-                await self._launch(actor)
-                self.m_taken_back.inc(state=state)
-                log.info("took back %s sandbox %s", state, sandbox_id)
-                if actor.resume_at_start:  # paused by the node's stop, not by its user
-                    self.start_background(
-                        functools.partial(
-                            actor.mailbox.ask, Resume(max(1, math.ceil(doc.get("remaining") or 0)))
-                        ),
-                        f"resuming sandbox {sandbox_id} after the restart",
-                    )
-            except Exception as exc:
-                why = (
-                    f"stopped while the node was down ({exc})"
-                    if state in ("running", "frozen")
-                    else f"could not be recovered after a node restart ({exc})"
-                )
-                log.error("sandbox %s %s", sandbox_id, why)
-                if state in ("running", "frozen"):  # what is left of it goes
-                    with trio.CancelScope(shield=True):
-                        await self.runtime.remove(sandbox_id)
-                    await trio.to_thread.run_sync(
-                        reap_stale_mounts, self.config.sandboxes_dir / sandbox_id
-                    )
-                self.m_lost.inc()
-                self.lost[sandbox_id] = why
-                lost = {"sandboxID": sandbox_id, "state": "lost", "why": why, "lostAt": time.time()}
-                await self.meta.run(
-                    self.meta.store.put_sandbox, sandbox_id, "lost", lost, time.time()
-                )
-                await trio.to_thread.run_sync(
-                    functools.partial(
-                        shutil.rmtree, self.config.sandboxes_dir / sandbox_id, ignore_errors=True
-                    )
-                )
+            await self._take_back(doc)
         await self.network.release_unadopted()
+
+    async def _take_back(self, doc: dict[str, Any]) -> None:
+        """`recover` one journal record."""
+        sandbox_id = str(doc.get("sandboxID"))
+        state = str(doc.get("state") or "paused")  # records before the journal: paused
+        if state == "lost":
+            if time.time() - float(doc.get("lostAt") or 0) < LOST_KEPT_S:
+                self.lost[sandbox_id] = str(doc.get("why") or "was lost")
+            else:
+                await self.meta.run(self.meta.store.delete_sandbox, sandbox_id)
+            return
+        # a frozen one with a copy on disk comes back paused from it if need be
+        durable = state == "frozen" and bool(doc.get("durableImage"))
+        try:
+            template = await self.resolve_template(str(doc["templateID"]))
+            actor = SandboxActor.from_journal(self, template, doc)
+            missing = await trio.to_thread.run_sync(_missing_parts, actor)
+            if missing:
+                raise FileNotFoundError(missing)
+            if state != "paused" and await trio.to_thread.run_sync(actor.on_node_served_fs):
+                raise SandboxLost(
+                    "its root file system was served by the node process that stopped "
+                    "(an image template's layers)"
+                )
+            actor.keep_files = durable
+            await self._launch(actor)
+            actor.keep_files = False
+            self.m_taken_back.inc(state=state)
+            log.info("took back %s sandbox %s", state, sandbox_id)
+            if actor.resume_at_start:  # paused by the node's stop, not by its user
+                self.start_background(
+                    functools.partial(
+                        actor.mailbox.ask, Resume(max(1, math.ceil(doc.get("remaining") or 0)))
+                    ),
+                    f"resuming sandbox {sandbox_id} after the restart",
+                )
+        except Exception as exc:
+            if durable:
+                log.warning(
+                    "sandbox %s paused in memory is gone (%s): taking it back from its "
+                    "copy on disk",
+                    sandbox_id,
+                    exc,
+                )
+                await self._cleanup_runtime(sandbox_id)
+                paused = {
+                    **doc,
+                    "state": "paused",
+                    "image": doc["durableImage"],
+                    "layers": doc["durableLayers"],
+                }
+                await self.meta.run(
+                    self.meta.store.put_sandbox, sandbox_id, "paused", paused, time.time()
+                )
+                return await self._take_back(paused)
+            why = (
+                f"stopped while the node was down ({exc})"
+                if state in ("running", "frozen")
+                else f"could not be recovered after a node restart ({exc})"
+            )
+            log.error("sandbox %s %s", sandbox_id, why)
+            if state in ("running", "frozen"):  # what is left of it goes
+                await self._cleanup_runtime(sandbox_id)
+            self.m_lost.inc()
+            self.lost[sandbox_id] = why
+            lost = {"sandboxID": sandbox_id, "state": "lost", "why": why, "lostAt": time.time()}
+            await self.meta.run(self.meta.store.put_sandbox, sandbox_id, "lost", lost, time.time())
+            await trio.to_thread.run_sync(
+                functools.partial(
+                    shutil.rmtree, self.config.sandboxes_dir / sandbox_id, ignore_errors=True
+                )
+            )
+
+    async def _cleanup_runtime(self, sandbox_id: str) -> None:
+        """What is left of a sandbox that could not be taken back: its runtime, mounts."""
+        with trio.CancelScope(shield=True):
+            await self.runtime.remove(sandbox_id)
+        await trio.to_thread.run_sync(reap_stale_mounts, self.config.sandboxes_dir / sandbox_id)
 
     # -- operations ----------------------------------------------------------
 

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -236,6 +237,10 @@ class SandboxActor:
         self.on_disk = False
         # the state of this sandbox's journal record (None: not journaled)
         self._journaled: str | None = None
+        # a frozen sandbox's write-behind copy on disk: (memory image, layer stack)
+        self._behind: tuple[Path, LayerStack] | None = None
+        # a sandbox taken back frozen whose runtime may be gone keeps its files
+        self.keep_files = False
         # set on a sandbox taken back running after a node restart: its journal record
         self._adoption: dict[str, Any] | None = None
         # set once a frozen pause ends: resumed, written to disk, or killed
@@ -369,7 +374,7 @@ class SandboxActor:
         finally:
             # cancelled while paused = the node is shutting down: the sandbox
             # stays recorded (and its files kept) for the next node process
-            keep = self.lifecycle.state is lc.State.PAUSED
+            keep = self.lifecycle.state is lc.State.PAUSED or self.keep_files
             if not keep:
                 await self._forget_record()
             if self.lifecycle.can(lc.Stopped()):
@@ -428,9 +433,7 @@ class SandboxActor:
                 self._period_stack = period
                 self.http = await period.enter_async_context(_http_client())
                 if adoption:
-                    opener = node.runtime.open_adopted(
-                        spec, frozen=adoption["state"] == "frozen"
-                    )
+                    opener = node.runtime.open_adopted(spec, frozen=adoption["state"] == "frozen")
                 elif image is None:
                     opener = node.runtime.open_sandbox(spec)
                 else:
@@ -534,13 +537,19 @@ class SandboxActor:
         a checkpoint and the stop ladder both need it running.
         """
         assert self._running is not None
-        hibernate_at = trio.current_time() + self.node.config.hibernate_after_s
+        now = trio.current_time()
+        hibernate_at = now + self.node.config.hibernate_after_s
+        behind_s = self.node.config.write_behind_s
+        behind_at = now + behind_s if behind_s > 0 and self._behind is None else math.inf
         while self.lifecycle.state is lc.State.PAUSED and not self._hibernate_now:
-            with trio.move_on_at(hibernate_at):
+            with trio.move_on_at(min(hibernate_at, behind_at)):
                 req = await self.mailbox.receive()
                 await self._handle(req)
                 continue
-            break
+            if trio.current_time() >= hibernate_at:
+                break
+            behind_at = math.inf
+            await self._write_behind()
         self.frozen_pause = False
         self._hibernate_now = False
         try:
@@ -554,6 +563,7 @@ class SandboxActor:
             self.lifecycle.step(lc.Resumed(trio.current_time()))
             self.paused_at = None
             self._log("resumed (from memory)")
+            await self._drop_behind()
             await self._journal("running")
             for r in self._resumers:
                 r.reply(True)
@@ -565,6 +575,39 @@ class SandboxActor:
             self._log("hibernating (writing memory to disk)")
         return False
 
+    async def _write_behind(self) -> None:
+        """Give a frozen sandbox a copy on disk (memory image and a layer of
+        what its files changed) while it stays frozen, journaled with it: a
+        host reboot then keeps it paused, and its hibernation needs no second
+        checkpoint. A failure leaves it frozen as it was."""
+        assert self._running is not None and self._upper is not None
+        t0 = time.perf_counter()
+        image = self._next_image()
+        try:
+            # it cannot acknowledge closes while frozen: the restore resets them
+            await self._close_connections(reopen=True, wait=False)
+            await self._checkpoint_to(image, frozen=True)
+            captured = await self.node.layers.capture(
+                self._upper, below=self.stack, since=self._live
+            )
+            stack = await self.node.layers.limit_depth(captured.stack)
+            self._live = dataclasses.replace(captured, stack=stack)
+            await trio.to_thread.run_sync(fsync_tree, image)
+        except Exception as exc:
+            self._log(f"writing a copy to disk failed, still paused: {exc!r}", level="warn")
+            await trio.to_thread.run_sync(shutil.rmtree, image, True)
+            return
+        self._behind = (image, stack)
+        await self._journal("frozen")
+        crash_point("pause.written-behind")
+        self._log(f"paused copy written to disk in {1000 * (time.perf_counter() - t0):.0f} ms")
+
+    async def _drop_behind(self) -> None:
+        """Running again: the write-behind copy is stale."""
+        if self._behind is not None:
+            image, self._behind = self._behind[0], None
+            await trio.to_thread.run_sync(shutil.rmtree, image, True)
+
     async def _pause(self, disk: Path) -> bool:
         """Capture the sandbox (memory unless filesystem mode) and freeze its upper.
 
@@ -573,9 +616,12 @@ class SandboxActor:
         assert self._running is not None
         now = trio.current_time()
         image: Path | None = None
+        behind, self._behind = (self._behind if self._hibernating else None), None
         try:
             await self._close_connections(reopen=False)
-            if self.pause_mode == "full":
+            if behind is not None:  # written while frozen: it is what it holds now
+                image = behind[0]
+            elif self.pause_mode == "full":
                 image = self._next_image()
                 await self._checkpoint_to(image, leave_running=False)
         except Exception as exc:
@@ -598,9 +644,12 @@ class SandboxActor:
         assert self._runtime_stack is not None
         await self._runtime_stack.aclose()
         upper = await unmount_root(disk)
-        layer = await self.node.layers.freeze(upper, below=self.stack)
-        crash_point(f"{what}.layer-frozen")
-        self.stack = await self.node.layers.limit_depth(self.node.layers.chain(layer))
+        if behind is not None:  # its files too (the upper goes with the disk)
+            self.stack = behind[1]
+        else:
+            layer = await self.node.layers.freeze(upper, below=self.stack)
+            crash_point(f"{what}.layer-frozen")
+            self.stack = await self.node.layers.limit_depth(self.node.layers.chain(layer))
         self._upper, self._live = None, None
         self._hibernating = False
         old, self._resume_image = self._resume_image, image
@@ -675,16 +724,22 @@ class SandboxActor:
         self._captures += 1
         return self.workdir / f"image{self._captures}"
 
-    async def _checkpoint_to(self, image: Path, *, leave_running: bool) -> None:
-        """Checkpoint the runtime into `image`: staged beside it, renamed once whole."""
+    async def _checkpoint_to(
+        self, image: Path, *, leave_running: bool = True, frozen: bool = False
+    ) -> None:
+        """Checkpoint the runtime into `image` (of a frozen sandbox, which stays
+        frozen, with `frozen`): staged beside it, renamed once whole."""
         assert self._running is not None
         tmp = image.with_suffix(".tmp")
         await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
         tmp.mkdir(parents=True)
-        await self._running.checkpoint(tmp, leave_running=leave_running)
+        if frozen:
+            await self._running.checkpoint_frozen(tmp)
+        else:
+            await self._running.checkpoint(tmp, leave_running=leave_running)
         tmp.rename(image)
 
-    async def _close_connections(self, *, reopen: bool) -> None:
+    async def _close_connections(self, *, reopen: bool, wait: bool = True) -> None:
         """Close the node's connections into the sandbox before a memory image is taken.
 
         A restored image must hold no connection to the node (envd does not
@@ -695,8 +750,10 @@ class SandboxActor:
         if self.http is None:
             return
         await self.http.aclose()
-        if self.sandbox_ip is not None and not await tcpstate.wait_closed(
-            self.sandbox_ip, within_s=_CLOSE_WAIT_S
+        if (
+            wait
+            and self.sandbox_ip is not None
+            and not await tcpstate.wait_closed(self.sandbox_ip, within_s=_CLOSE_WAIT_S)
         ):
             self._log("envd kept a connection open; capturing anyway", level="warn")
         if reopen:
@@ -794,6 +851,10 @@ class SandboxActor:
             doc["period"] = self._period
             doc["slot"] = None if self._slot is None else self._slot.index
             doc["endAt"] = self.end_at() if state == "running" else None
+        if state == "frozen" and self._behind is not None:
+            # what it is taken back from, paused, if its runtime is gone (a reboot)
+            doc["durableImage"] = self._behind[0].name
+            doc["durableLayers"] = list(self._behind[1].ids())
         meta = self.node.meta
         try:
             with trio.CancelScope(shield=True):
@@ -853,6 +914,9 @@ class SandboxActor:
             # the image it last started from, if its own (a running one needs none)
             actor._resume_image = image if image is not None and image.is_dir() else None
             actor._adoption = doc
+            if doc.get("durableImage") and doc.get("durableLayers"):
+                behind = actor.workdir / str(doc["durableImage"])
+                actor._behind = (behind, node.layers.chain(doc["durableLayers"][0]))
         actor._journaled = doc.get("state", "paused")
         actor.resume_at_start = bool(doc.get("resumeAtStart"))
         return actor

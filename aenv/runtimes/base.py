@@ -94,6 +94,12 @@ class RunningSandbox(Protocol):
         """Stop every process of the sandbox (no CPU used, memory kept)."""
         ...
 
+    async def checkpoint_frozen(self, image_dir: Path) -> None:
+        """Write a frozen sandbox's memory and kernel state into `image_dir`; it
+        stays frozen (a write-behind copy of a paused sandbox, so that it
+        survives a reboot of the host while resuming it stays a thaw)."""
+        ...
+
     def held(self) -> AbstractAsyncContextManager[None]:
         """The sandbox's processes stopped for the block, its runtime still answering.
 

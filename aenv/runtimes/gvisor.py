@@ -111,6 +111,8 @@ class GVisorSandbox:
     _started_at: float = field(default_factory=time.monotonic)
     _cpu_sample: tuple[float, int] | None = None
     _exit_status: int | None = None
+    # stopped by `runsc pause` (the freezer where there is no cgroup v2 one)
+    _runsc_paused: bool = False
 
     @property
     def sandbox_id(self) -> str:
@@ -166,12 +168,27 @@ class GVisorSandbox:
         The cgroup v2 freezer (one write, no process to start) where the
         sandbox has its own cgroup, else `runsc pause`.
         """
+        if self._runsc_paused:
+            return
         if not await trio.to_thread.run_sync(self._cgroups.set_frozen, True):
             await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id)
+            self._runsc_paused = True
 
     async def thaw(self) -> None:
-        if not await trio.to_thread.run_sync(self._cgroups.set_frozen, False):
+        await trio.to_thread.run_sync(self._cgroups.set_frozen, False)
+        if self._runsc_paused:
             await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id)
+            self._runsc_paused = False
+
+    async def checkpoint_frozen(self, image_dir: Path) -> None:
+        """`runsc checkpoint --leave-running` of a frozen sandbox, which stays frozen;
+        see `RunningSandbox.checkpoint_frozen`."""
+        if not self._runsc_paused:
+            # the cgroup freezer stops the sentry too: hand the stop over to runsc
+            await trio.to_thread.run_sync(self._cgroups.set_frozen, False)
+            await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id)
+            self._runsc_paused = True
+        await self.checkpoint(image_dir, leave_running=True)
 
     @asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -251,14 +268,14 @@ class GVisorRuntime:
         `open_sandbox` owns a new one; see `Runtime.open_adopted`."""
         async with self._open(spec, None, adopt=True) as sandbox:
             # that process may have died between a freeze (or a hold) and its record
-            paused = await self._status(spec) == "paused"
-            frozen_now = paused or await trio.to_thread.run_sync(sandbox._cgroups.is_frozen)
+            sandbox._runsc_paused = await self._status(spec) == "paused"
+            frozen_now = sandbox._runsc_paused or await trio.to_thread.run_sync(
+                sandbox._cgroups.is_frozen
+            )
             if frozen and not frozen_now:
                 await sandbox.freeze()
             elif not frozen and frozen_now:
-                await trio.to_thread.run_sync(sandbox._cgroups.set_frozen, False)
-                if paused:
-                    await self._runsc_logged(_PAUSE_TIMEOUT, spec, "resume", spec.sandbox_id)
+                await sandbox.thaw()
             yield sandbox
 
     async def _status(self, spec: SandboxSpec) -> str:

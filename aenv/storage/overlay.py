@@ -82,9 +82,7 @@ async def _owned(workdir: Path) -> AsyncIterator[None]:
             yield
         finally:
             with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
-                await trio.to_thread.run_sync(
-                    _unmount, workdir / "merged", abandon_on_cancel=True
-                )
+                await trio.to_thread.run_sync(_unmount, workdir / "merged", abandon_on_cancel=True)
     finally:
         with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
             await trio.to_thread.run_sync(_remove, workdir, abandon_on_cancel=True)

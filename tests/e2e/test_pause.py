@@ -146,9 +146,12 @@ def test_traffic_to_a_timeout_paused_sandbox_resumes_it_with_a_new_timeout(
     try:
         s.commands.run("python3 -m http.server 8081 --directory /etc", background=True)
         deadline = time.monotonic() + 30
-        while "200" not in s.commands.run(
-            "curl -s -o /dev/null -w '%{http_code}' -m 2 localhost:8081/hostname; true"
-        ).stdout:
+        while (
+            "200"
+            not in s.commands.run(
+                "curl -s -o /dev/null -w '%{http_code}' -m 2 localhost:8081/hostname; true"
+            ).stdout
+        ):
             assert time.monotonic() < deadline, "the server never answered"
             time.sleep(0.3)
         _wait_state(s.sandbox_id, "paused")

@@ -193,9 +193,7 @@ def test_sandboxes_run_on_through_a_node_restart(node_home: Restartable, how: in
     count_before = count(again)
     # the counter went on while no node ran: ~10 a second for the 2 s it was down
     assert count_before >= 15, count_before
-    assert again.commands.run("ps -o pid,args").stdout.splitlines()[1:3] == (
-        ps.splitlines()[1:3]
-    )
+    assert again.commands.run("ps -o pid,args").stdout.splitlines()[1:3] == (ps.splitlines()[1:3])
     assert again.files.read("/tmp/kept.txt") == "written before the pause"
 
     listed = {x["sandboxID"]: x["state"] for x in r.get("/v2/sandboxes?state=paused").json()}
@@ -240,6 +238,51 @@ def test_image_sandboxes_are_paused_through_a_stop_and_reported_after_a_crash(
     got = r.get(f"/sandboxes/{s.sandbox_id}")
     assert got.status_code == 404
     assert "served by the node process" in got.json()["message"], got.text
+
+
+def _written_behind(r: Restartable, sid: str, n: int, within: float = 30.0) -> None:
+    """Wait until the node has logged the `n`th write-behind copy of `sid`."""
+    assert r.node is not None
+    deadline = time.monotonic() + within
+    while r.node.log_path.read_text().count(f"{sid}: paused copy written to disk") < n:
+        assert time.monotonic() < deadline, "no copy of the paused sandbox was written"
+        time.sleep(0.1)
+
+
+def _kill_runtime(r: Restartable, sid: str) -> None:
+    """What a reboot does to a sandbox's runtime."""
+    pids = subprocess.run(
+        ["pgrep", "-f", f"runsc.*{r.home}.*{sid}"], capture_output=True, text=True
+    ).stdout.split()
+    assert pids, "no runsc process of the sandbox found"
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_paused_sandbox_gets_a_copy_on_disk_that_survives_a_reboot(
+    node_home: Restartable,
+) -> None:
+    r = node_home
+    r.env.update({"AENV_WRITE_BEHIND_AFTER": "1", "AENV_HIBERNATE_AFTER": "4"})
+    r.start()
+    s, before = _counting()
+    sid = s.sandbox_id
+    s.pause()
+    _written_behind(r, sid, 1)
+    # the copy leaves it frozen in memory, so resuming stays a thaw
+    assert r.get(f"/sandboxes/{sid}").json()["pausedInMemory"] is True
+    _on_disk(r, sid)  # its hibernation takes that copy instead of checkpointing again
+    again = Sandbox.connect(sid)
+    assert count(again) >= before
+    before = counts_on(again)
+
+    again.pause()
+    _written_behind(r, sid, 2)
+    r.stop(signal.SIGKILL)
+    _kill_runtime(r, sid)  # the host "reboots": the frozen runtime is gone
+    r.start()
+    _paused_then_resumes(r, sid, before)
 
 
 def test_a_sandbox_that_died_while_the_node_was_down_is_reported(
