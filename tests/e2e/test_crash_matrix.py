@@ -68,7 +68,7 @@ def _pause_to_disk() -> None:
 
 def _hibernate() -> None:
     s = _sandbox()
-    s.pause()  # frozen; written to disk a second later (AENV_HIBERNATE_AFTER=1)
+    s.pause()  # frozen; written to disk a second later (AENV_HIBERNATE_AFTER=1, or write-behind)
 
 
 def _resume() -> None:
@@ -93,6 +93,7 @@ CASES: dict[str, Callable[[], None]] = {
     "pause.frozen": _pause_frozen,
     "pause.captured": _pause_to_disk,
     "pause.layer-frozen": _pause_to_disk,
+    "pause.written-behind": _hibernate,
     "hibernate.captured": _hibernate,
     "hibernate.layer-frozen": _hibernate,
     "resume.restored": _resume,
@@ -119,6 +120,8 @@ def test_a_crash_at_any_point_leaves_whole_sandboxes_or_none(
     link_home(built, home)
     r = Restartable(home, monkeypatch)
     r.env.update({"AENV_POOL_SIZE": "0", "AENV_FAULT": point})
+    if point == "pause.written-behind":  # the copy on disk comes before the hibernation
+        r.env.update({"AENV_WRITE_BEHIND_AFTER": "1", "AENV_HIBERNATE_AFTER": "3600"})
     if point.startswith(("snapshot.", "upload.")):
         # a template's warm-up is a snapshot too: it must not be the one that dies
         r.env["AENV_WARM_TEMPLATES"] = "0"
