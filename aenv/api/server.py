@@ -85,11 +85,15 @@ async def serve(
                 log.info("aenv node listening on http://%s (home %s)", config.listen, config.home)
                 task_status.started(node)
             # Hypercorn has drained its connections; stop the rest
-            if config.on_stop == "keep" and shutdown.is_set():
+            keep = config.on_stop == "keep" and shutdown.is_set()
+            if keep:
                 await node.park_node_served()  # they cannot run on without this process
-            await node.hibernate_paused()  # paused in memory: to disk, to survive
+                # paused in memory: a copy on disk, to survive a reboot; they stay frozen
+                await node.write_behind_paused()
+            else:
+                await node.hibernate_paused()  # paused in memory: to disk, to survive
             running = node.statistics()["running"]
-            if config.on_stop == "keep" and shutdown.is_set() and running:
+            if keep and running:
                 log.info("leaving %d sandboxes running for the next node process", running)
                 logging.shutdown()
                 os._exit(0)

@@ -73,6 +73,8 @@ class SandboxLost(Exception):
     """A journaled sandbox cannot be taken back after a restart (the message says why)."""
 
 
+# sandboxes taken back at once after a restart (their steps mostly wait on runsc)
+RECOVER_CONCURRENCY = 16
 # how long a sandbox lost at a restart is still answered for with the reason
 LOST_KEPT_S = 24 * 3600.0
 
@@ -272,8 +274,15 @@ class Node:
         that sandbox for a day; its files go, its snapshots stay.
         """
         docs = await self.meta.run(self.meta.store.list_sandboxes)
-        for doc in docs:
-            await self._take_back(doc)
+        limiter = trio.CapacityLimiter(RECOVER_CONCURRENCY)
+
+        async def one(doc: dict[str, Any]) -> None:
+            async with limiter:
+                await self._take_back(doc)
+
+        async with trio.open_nursery() as nursery:
+            for doc in docs:
+                nursery.start_soon(one, doc)
         await self.network.release_unadopted()
 
     async def _take_back(self, doc: dict[str, Any]) -> None:
@@ -320,6 +329,8 @@ class Node:
                     exc,
                 )
                 await self._cleanup_runtime(sandbox_id)
+                keep: dict[str, str | None] = {sandbox_id: str(doc["durableImage"])}
+                await trio.to_thread.run_sync(_clear_dir, self.config.sandboxes_dir, keep, True)
                 paused = {
                     **doc,
                     "state": "paused",
@@ -630,6 +641,25 @@ class Node:
                     actor.resume_at_start = False
                     log.warning("pausing sandbox %s failed: %r", actor.sandbox_id, exc)
 
+    async def write_behind_paused(self, *, within_s: float = 60.0) -> None:
+        """Give every sandbox paused in memory its copy on disk (before a stop
+        that leaves them frozen to the next node process: a reboot keeps them)."""
+        from aenv.node.sandbox import WriteBehind
+
+        frozen = [a for a in self._sandboxes.values() if a.frozen_pause and not a.hidden]
+        if not frozen:
+            return
+        log.info("writing a copy of %d paused sandboxes to disk", len(frozen))
+
+        async def one(actor: SandboxActor) -> None:
+            with contextlib.suppress(Exception):
+                await actor.mailbox.ask(WriteBehind(), timeout=within_s)
+
+        with trio.move_on_after(within_s):
+            async with trio.open_nursery() as n:
+                for actor in frozen:
+                    n.start_soon(one, actor)
+
     async def hibernate_paused(self, *, within_s: float = 60.0) -> None:
         """Write every sandbox paused in memory to disk (before a clean shutdown),
         so it survives the restart like any other paused sandbox."""
@@ -748,8 +778,9 @@ def _host_memory_mb() -> int:
     return 1024
 
 
-def _clear_dir(path: Path, keep: dict[str, str | None]) -> None:
-    """Empty the sandboxes directory but for what journaled sandboxes need.
+def _clear_dir(path: Path, keep: dict[str, str | None], only: bool = False) -> None:
+    """Empty the sandboxes directory but for what journaled sandboxes need
+    (with `only`, just the directories of the sandboxes in `keep`).
 
     `keep` maps a journaled sandbox's ID to "*" (running or frozen: all of
     its directory), else to its memory image's directory name (paused; None:
@@ -758,7 +789,8 @@ def _clear_dir(path: Path, keep: dict[str, str | None]) -> None:
     """
     for child in path.iterdir():
         if child.name not in keep:
-            shutil.rmtree(child, ignore_errors=True)
+            if not only:
+                shutil.rmtree(child, ignore_errors=True)
             continue
         if keep[child.name] == "*":
             continue

@@ -160,6 +160,12 @@ class Hibernate:
 
 
 @dataclass(frozen=True)
+class WriteBehind:
+    """Give a frozen paused sandbox its copy on disk now, if it has none (a node
+    stop that leaves sandboxes to the next node process); answers once written."""
+
+
+@dataclass(frozen=True)
 class PoolFreeze:
     """Freeze a pooled sandbox's processes until it is adopted."""
 
@@ -184,6 +190,7 @@ Msg = (
     | PoolFreeze
     | Adopt
     | Hibernate
+    | WriteBehind
 )
 
 
@@ -1080,6 +1087,10 @@ class SandboxActor:
                         self._pausers.append(req)  # answered once the pause is done
                 case Hibernate():
                     self._hibernate_now = True
+                    req.reply(None)
+                case WriteBehind():
+                    if self.frozen_pause and self._behind is None:
+                        await self._write_behind()
                     req.reply(None)
                 case Fork() | Snapshot():
                     if self.lifecycle.state is not lc.State.RUNNING or self._running is None:

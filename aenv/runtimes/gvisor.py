@@ -492,8 +492,21 @@ class GVisorRuntime:
         return ids
 
     async def remove(self, sandbox_id: str) -> None:
-        """Stop and delete sandbox `sandbox_id` and its cgroups, if anything of it is left."""
+        """Stop and delete sandbox `sandbox_id` and its cgroups, if anything of it is left.
+
+        Nothing of it is kept, so its processes get SIGKILL at once (a paused
+        sandbox would not act on `runsc kill`), then the stop ladder cleans up.
+        """
         with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
+            pidfds = await trio.to_thread.run_sync(self._state_pidfds, sandbox_id)
+            try:
+                for fd in pidfds:
+                    with contextlib.suppress(ProcessLookupError):
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                await _wait_all_exit(pidfds, _EXIT_TIMEOUT)
+            finally:
+                for fd in pidfds:
+                    os.close(fd)
             await self._stop(sandbox_id, _Cgroups(f"/{self.cgroup_parent}/{sandbox_id}"))
 
     def _stale_ids(self) -> list[str]:
