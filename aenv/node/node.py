@@ -273,6 +273,7 @@ class Node:
         gone) is recorded lost, with the reason, which the API answers for
         that sandbox for a day; its files go, its snapshots stay.
         """
+        t0 = trio.current_time()
         docs = await self.meta.run(self.meta.store.list_sandboxes)
         limiter = trio.CapacityLimiter(RECOVER_CONCURRENCY)
 
@@ -284,6 +285,13 @@ class Node:
             for doc in docs:
                 nursery.start_soon(one, doc)
         await self.network.release_unadopted()
+        if docs:
+            log.info(
+                "took back %d of %d journaled sandboxes in %.2f s",
+                len(self._sandboxes),
+                len(docs),
+                trio.current_time() - t0,
+            )
 
     async def _take_back(self, doc: dict[str, Any]) -> None:
         """`recover` one journal record."""

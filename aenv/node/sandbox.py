@@ -533,7 +533,8 @@ class SandboxActor:
         self.unfrozen = trio.Event()
         self.paused_at = self.paused_at or time.time()
         self._log("paused (frozen)")
-        await self._journal("frozen")
+        if self._journaled != "frozen":  # (one taken back frozen is journaled so)
+            await self._journal("frozen")
         return True
 
     async def _serve_frozen(self) -> bool:

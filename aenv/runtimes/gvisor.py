@@ -268,7 +268,6 @@ class GVisorRuntime:
         `open_sandbox` owns a new one; see `Runtime.open_adopted`."""
         async with self._open(spec, None, adopt=True) as sandbox:
             # that process may have died between a freeze (or a hold) and its record
-            sandbox._runsc_paused = await self._status(spec) == "paused"
             frozen_now = sandbox._runsc_paused or await trio.to_thread.run_sync(
                 sandbox._cgroups.is_frozen
             )
@@ -277,21 +276,6 @@ class GVisorRuntime:
             elif not frozen and frozen_now:
                 await sandbox.thaw()
             yield sandbox
-
-    async def _status(self, spec: SandboxSpec) -> str:
-        """runsc's status of the sandbox ("running", "paused", ...)."""
-        proc = await trio.run_process(
-            _in_private_netfs(self._command("state", spec.sandbox_id)),
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-        )
-        try:
-            return str(json.loads(proc.stdout)["status"])
-        except (ValueError, KeyError, TypeError):
-            raise SandboxGone(
-                f"runsc state {spec.sandbox_id}: {proc.stderr.decode(errors='replace')[-500:]}"
-            ) from None
 
     @asynccontextmanager
     async def _open(
@@ -349,7 +333,10 @@ class GVisorRuntime:
             raise SandboxGone(f"runsc has no sandbox {spec.sandbox_id}: {exc}") from None
         if not _alive(pid):
             raise SandboxGone(f"the runsc sandbox {spec.sandbox_id} (pid {pid}) has exited")
-        return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self)
+        sandbox = GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self)
+        # runsc's own record (no `runsc state`: a process per sandbox slows a restart)
+        sandbox._runsc_paused = state.get("status") == "paused"
+        return sandbox
 
     def _command(self, *args: str) -> list[str]:
         return [

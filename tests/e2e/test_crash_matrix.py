@@ -1,8 +1,8 @@
 """The crash matrix: the node is killed (SIGKILL) at fault points inside create,
 pause, resume, fork, snapshot, upload and hibernation, then started again.
 
-Rules: each case runs its own node (tests.e2e.test_restart.Restartable: its
-own home, netns prefix and slot range) with `AENV_FAULT` arming one point
+Rules: each case runs its own node (tests.e2e.test_restart's `node_home`: its
+own home, netns prefix and slot range, and a leak check at the end) with `AENV_FAULT` arming one point
 (`aenv.kit.faults`); the operation drives the node into it and the node
 dies there. The node is then started without the fault, and every sandbox
 it lists must be whole and usable (running ones run a command and hold the
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
-from tests.conftest import built_home, leaks, link_home, requires_node
+from tests.conftest import requires_node
 from tests.e2e.counter import COUNTER
-from tests.e2e.test_restart import PREFIX, TEMPLATE, Restartable
+from tests.e2e.test_restart import TEMPLATE, Restartable, node_home  # noqa: F401 (fixture)
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -111,14 +111,10 @@ def _sandbox_dirs(home: Path) -> list[str]:
 
 @pytest.mark.parametrize("point", list(CASES))
 def test_a_crash_at_any_point_leaves_whole_sandboxes_or_none(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, point: str
+    node_home: Restartable,  # noqa: F811 (the fixture imported above)
+    point: str,
 ) -> None:
-    built = built_home()
-    assert built is not None
-    home = tmp_path / "home"
-    home.mkdir()
-    link_home(built, home)
-    r = Restartable(home, monkeypatch)
+    r = node_home
     r.env.update({"AENV_POOL_SIZE": "0", "AENV_FAULT": point})
     if point == "pause.written-behind":  # the copy on disk comes before the hibernation
         r.env.update({"AENV_WRITE_BEHIND_AFTER": "1", "AENV_HIBERNATE_AFTER": "3600"})
@@ -132,41 +128,28 @@ def test_a_crash_at_any_point_leaves_whole_sandboxes_or_none(
         code = r.node.proc.wait(timeout=120)
         assert code == -signal.SIGKILL, f"the node did not die at {point}: {r.node.log_tail()}"
         r.node = None
-        del r.env["AENV_FAULT"]
-        r.start()
-
-        listed = r.get("/v2/sandboxes?state=running,paused").json()
-        for sb in listed:  # whole and usable
-            s = Sandbox.connect(sb["sandboxID"], timeout=120)
-            assert s.commands.run("echo ok").stdout.strip() == "ok"
-            if not point.startswith("create."):  # (a create that died wrote nothing)
-                assert s.files.read("/home/user/kept.txt") == KEPT, sb
-        for snap in r.get("/snapshots").json():  # whatever is listed starts
-            child = Sandbox.create(snap["snapshotID"], timeout=60)
-            try:
-                assert child.files.read("/home/user/kept.txt") == KEPT
-            finally:
-                child.kill()
-        for sb in listed:
-            Sandbox.kill(sb["sandboxID"])
-        # nothing of any sandbox is left: what was not taken back was reaped
-        deadline = time.monotonic() + 30
-        while _sandbox_dirs(home) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _sandbox_dirs(home) == [], r.node and r.node.log_tail()
-        assert not list((home / "run" / "runsc").glob("*_sandbox:*"))
     finally:
-        # whatever is left (a failed check) goes through the API; then a clean
-        # start and stop of the node leave nothing behind
-        r.env.pop("AENV_FAULT", None)
-        r.env["AENV_ON_STOP"] = "stop"
-        with contextlib.suppress(Exception):
-            if r.node is not None:
-                r.stop()
-            r.start()
-            for sb in r.get("/v2/sandboxes?state=running,paused").json():
-                Sandbox.kill(sb["sandboxID"])
-        with contextlib.suppress(Exception):
-            r.stop()
-        r.node = None
-    assert not leaks(home, PREFIX)
+        del r.env["AENV_FAULT"]  # (node_home's clean-up starts the node again)
+    r.start()
+
+    listed = r.get("/v2/sandboxes?state=running,paused").json()
+    for sb in listed:  # whole and usable
+        s = Sandbox.connect(sb["sandboxID"], timeout=120)
+        assert s.commands.run("echo ok").stdout.strip() == "ok"
+        if not point.startswith("create."):  # (a create that died wrote nothing)
+            assert s.files.read("/home/user/kept.txt") == KEPT, sb
+    for snap in r.get("/snapshots").json():  # whatever is listed starts
+        child = Sandbox.create(snap["snapshotID"], timeout=60)
+        try:
+            assert child.files.read("/home/user/kept.txt") == KEPT
+        finally:
+            child.kill()
+    for sb in listed:
+        Sandbox.kill(sb["sandboxID"])
+    # nothing of any sandbox is left: what was not taken back was reaped
+    # (node_home then checks that nothing of the node is left either)
+    deadline = time.monotonic() + 30
+    while _sandbox_dirs(r.home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _sandbox_dirs(r.home) == [], r.node and r.node.log_tail()
+    assert not list((r.home / "run" / "runsc").glob("*_sandbox:*"))
