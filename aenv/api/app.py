@@ -16,12 +16,9 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import shlex
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -31,34 +28,15 @@ from werkzeug.exceptions import HTTPException
 
 from aenv.api import views
 from aenv.api.auth import api_key_refusal
-from aenv.images.registry import (
-    ImageNotFound,
-    RegistryAuthError,
-    RegistryNotAllowed,
-    UnsupportedImage,
-)
 from aenv.images.store import ImageRecord, PullError
-from aenv.kit.mailbox import ActorGone, Busy
+from aenv.kit.mailbox import Busy
+from aenv.node import service as sv
 from aenv.node.builds import BuildSpec
-from aenv.node.node import Node, SandboxNotFound
-from aenv.node.sandbox import (
-    ExtendTimeout,
-    Fork,
-    GetUsage,
-    Pause,
-    PauseError,
-    Resume,
-    ResumeError,
-    SandboxActor,
-    SandboxNotRunning,
-    SetNetwork,
-    SetTimeout,
-    Snapshot,
-)
-from aenv.node.snapshots import CorruptSnapshot
+from aenv.node.node import Node
+from aenv.node.service import SandboxService, SnapshotInfo
 from aenv.node.warm import is_internal
 from aenv.proto import requests as rq
-from aenv.proto.ids import InvalidName, check_name, is_sandbox_id
+from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.storage.templates import TemplateConflict, TemplateNotFound
 
@@ -135,15 +113,29 @@ def _metadata_filter(raw: str | None) -> dict[str, str]:
     return out
 
 
-def _matches(a: SandboxActor, meta: dict[str, str]) -> bool:
-    return all(a.metadata.get(k) == v for k, v in meta.items())
+# HTTP statuses of the sandbox service's errors
+_STATUS: tuple[tuple[type[sv.ServiceError], int], ...] = (
+    (sv.BadRequest, 400),
+    (sv.Forbidden, 403),
+    (sv.NotFound, 404),
+    (sv.Conflict, 409),
+    (sv.Busy, 429),
+    (sv.Failed, 500),
+    (sv.UpstreamFailed, 502),
+    (sv.Unavailable, 503),
+)
 
 
-def _visible(a: SandboxActor) -> bool:
-    return a.state.value in ("running", "pausing", "paused", "resuming")
+def service_error_response(e: sv.ServiceError) -> Response:
+    status = next((code for kind, code in _STATUS if isinstance(e, kind)), 500)
+    retry_after = e.retry_after if isinstance(e, sv.Busy) else None
+    # the node has retried the registry already: the SDK's own retries would
+    # only multiply the wait for the same answer
+    should_retry = False if isinstance(e, sv.UpstreamFailed) else None
+    return error_response(status, e.message, retry_after, should_retry=should_retry)
 
 
-def create_app(node: Node) -> QuartTrio:
+def create_app(service: SandboxService, node: Node) -> QuartTrio:
     app = QuartTrio("aenv")
     app.config["MAX_CONTENT_LENGTH"] = node.config.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
@@ -152,28 +144,6 @@ def create_app(node: Node) -> QuartTrio:
     app.url_map.strict_slashes = False
     key = node.api_key.encode()
     domain = node.config.domain
-
-    def sandbox(sandbox_id: str) -> SandboxActor:
-        if not is_sandbox_id(sandbox_id):
-            raise ApiError(404, f"sandbox {sandbox_id!r} not found")
-        try:
-            a = node.get(sandbox_id)
-        except SandboxNotFound as e:
-            raise ApiError(404, str(e)) from None
-        if not _visible(a):
-            raise ApiError(404, f"sandbox {sandbox_id!r} not found")
-        return a
-
-    async def ask(a: SandboxActor, msg: Any, wait_s: float = 60) -> Any:
-        """Ask a sandbox's actor; its refusals become E2B error answers."""
-        try:
-            return await a.mailbox.ask(msg, timeout=wait_s)
-        except ActorGone:
-            raise ApiError(404, f"sandbox {a.sandbox_id!r} not found") from None
-        except SandboxNotRunning as e:
-            raise ApiError(409, str(e)) from None
-        except (PauseError, ResumeError) as e:
-            raise ApiError(500, str(e)) from None
 
     @app.before_request
     async def _auth() -> Response | None:
@@ -196,6 +166,10 @@ def create_app(node: Node) -> QuartTrio:
     @app.errorhandler(ApiError)
     async def _api_error(e: ApiError) -> Response:
         return error_response(e.status, e.message, e.retry_after, should_retry=e.should_retry)
+
+    @app.errorhandler(sv.ServiceError)
+    async def _service_error(e: sv.ServiceError) -> Response:
+        return service_error_response(e)
 
     @app.errorhandler(Busy)
     async def _busy(e: Busy) -> Response:
@@ -228,25 +202,10 @@ def create_app(node: Node) -> QuartTrio:
 
     async def create() -> Response:
         try:
-            req = rq.parse_new_sandbox(await _body(), node.limits)
+            req = rq.parse_new_sandbox(await _body(), service.limits)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        try:
-            snap = await node.find_snapshot(req.template)
-            a = await (node.create_from_snapshot(snap, req) if snap else node.create(req))
-        except CorruptSnapshot as e:
-            raise ApiError(500, f"snapshot {req.template!r} cannot be used: {e}") from None
-        except TemplateNotFound:
-            raise ApiError(404, f"template {req.template!r} not found") from None
-        except InvalidName as e:
-            raise ApiError(400, str(e)) from None
-        except PullError as e:
-            raise _pull_error(e) from None
-        except Busy:
-            raise
-        except Exception as e:
-            log.exception("create failed")
-            raise ApiError(500, f"failed to create sandbox: {e}") from None
+        a = await service.create(req)
         return _json(views.sandbox_created(a, domain), 201)
 
     app.add_url_rule("/sandboxes", "create_v1", create, methods=["POST"])
@@ -255,9 +214,7 @@ def create_app(node: Node) -> QuartTrio:
     @app.get("/sandboxes")
     async def list_v1() -> Response:
         meta = _metadata_filter(request.args.get("metadata"))
-        return _json(
-            [views.sandbox_listed(a) for a in node.list() if _visible(a) and _matches(a, meta)]
-        )
+        return _json([views.sandbox_listed(a) for a in await service.list(metadata=meta)])
 
     @app.get("/v2/sandboxes")
     async def list_v2() -> Response:
@@ -274,8 +231,8 @@ def create_app(node: Node) -> QuartTrio:
             raise ApiError(400, f"limit must be between 1 and {V2_PAGE_MAX}")
         items = [
             a
-            for a in node.list()
-            if _visible(a) and _matches(a, meta) and (not states or views.api_state(a) in states)
+            for a in await service.list(metadata=meta)
+            if not states or views.api_state(a) in states
         ]
         token = request.args.get("nextToken")
         if token:
@@ -300,74 +257,65 @@ def create_app(node: Node) -> QuartTrio:
         out: dict[str, Any] = {}
         for sid in ids[:100]:
             try:
-                a = sandbox(sid)
-            except ApiError:
+                out[sid] = views.metric(await service.metrics(sid))
+            except sv.NotFound:
                 continue
-            out[sid] = await _metric(a)
         return _json({"sandboxes": out})
-
-    async def _metric(a: SandboxActor) -> dict[str, Any]:
-        usage = await ask(a, GetUsage())
-        disk = await trio.to_thread.run_sync(_dir_size, a.workdir / "disk" / "upper")
-        return views.metric(a, usage, time.time(), disk)
 
     @app.get("/sandboxes/<sandbox_id>")
     async def detail(sandbox_id: str) -> Response:
-        return _json(views.sandbox_detail(sandbox(sandbox_id), domain))
+        return _json(views.sandbox_detail(await service.get(sandbox_id), domain))
 
     @app.delete("/sandboxes/<sandbox_id>")
     async def kill(sandbox_id: str) -> Response:
-        a = sandbox(sandbox_id)
-        try:
-            await node.kill(a.sandbox_id)
-        except (SandboxNotFound, ActorGone):
-            raise ApiError(404, f"sandbox {sandbox_id!r} not found") from None
+        await service.kill(sandbox_id)
         return _no_content()
 
     @app.post("/sandboxes/<sandbox_id>/timeout")
     async def set_timeout(sandbox_id: str) -> Response:
-        a = sandbox(sandbox_id)
+        await service.get(sandbox_id)  # not found before a bad body
         try:
-            timeout = rq.parse_timeout_request(await _body(), node.limits)
+            timeout = rq.parse_timeout_request(await _body(), service.limits)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        await ask(a, SetTimeout(timeout))
+        await service.set_timeout(sandbox_id, timeout)
         return _no_content()
 
     @app.post("/sandboxes/<sandbox_id>/refreshes")
     async def refresh(sandbox_id: str) -> Response:
-        a = sandbox(sandbox_id)
+        await service.get(sandbox_id)
         try:
-            duration = rq.parse_refresh(await _body(), node.limits)
+            duration = rq.parse_refresh(await _body(), service.limits)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        await ask(a, ExtendTimeout(duration))
+        await service.refresh(sandbox_id, duration)
         return _no_content()
 
     @app.put("/sandboxes/<sandbox_id>/network")
     async def network(sandbox_id: str) -> Response:
-        a = sandbox(sandbox_id)
+        await service.get(sandbox_id)
         try:
             policy, allow_internet = rq.parse_network_update(await _body())
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        await ask(a, SetNetwork(policy, allow_internet))
+        await service.set_network(sandbox_id, policy, allow_internet)
         return _no_content()
 
     @app.get("/sandboxes/<sandbox_id>/metrics")
     async def sandbox_metrics(sandbox_id: str) -> Response:
-        return _json([await _metric(sandbox(sandbox_id))])
+        return _json([views.metric(await service.metrics(sandbox_id))])
 
     @app.get("/sandboxes/<sandbox_id>/logs")
     async def logs_v1(sandbox_id: str) -> Response:
-        a = sandbox(sandbox_id)
+        await service.get(sandbox_id)
         try:
             limit = int(request.args.get("limit", 1000))
             start_ms = int(request.args.get("start", 0))
         except ValueError:
             raise ApiError(400, "start and limit must be integers") from None
-        entries = [e for e in a.logs() if e.timestamp * 1000 >= start_ms]
-        console = a.console_tail()
+        logs = await service.logs(sandbox_id, console=True)
+        entries = [e for e in logs.entries if e.timestamp * 1000 >= start_ms]
+        console = logs.console
         now = views.iso(time.time())
         return _json(
             {
@@ -381,14 +329,14 @@ def create_app(node: Node) -> QuartTrio:
 
     @app.get("/v2/sandboxes/<sandbox_id>/logs")
     async def logs_v2(sandbox_id: str) -> Response:
-        a = sandbox(sandbox_id)
+        await service.get(sandbox_id)
         try:
             limit = int(request.args.get("limit", 1000))
         except ValueError:
             raise ApiError(400, "limit must be an integer") from None
         level = request.args.get("level")
         search = request.args.get("search")
-        entries = a.logs()
+        entries = list((await service.logs(sandbox_id)).entries)
         if level:
             order = ["debug", "info", "warn", "error"]
             if level not in order:
@@ -403,17 +351,11 @@ def create_app(node: Node) -> QuartTrio:
     async def connect(sandbox_id: str) -> Response:
         """Running: extend the timeout, 200. Paused: resume with it, 201."""
         try:
-            timeout = rq.parse_connect(await _body(), node.limits)
+            timeout = rq.parse_connect(await _body(), service.limits)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        a = sandbox(sandbox_id)
-        resumed = await _resume(a, timeout)
-        if not resumed:
-            await ask(a, ExtendTimeout(timeout))
-        return _json(views.sandbox_created(a, domain), 201 if resumed else 200)
-
-    async def _resume(a: SandboxActor, ttl_s: int) -> bool:
-        return bool(await ask(a, Resume(ttl_s), 120))
+        c = await service.connect(sandbox_id, timeout)
+        return _json(views.sandbox_created(c.sandbox, domain), 201 if c.resumed else 200)
 
     app.add_url_rule("/sandboxes/<sandbox_id>/connect", "connect_v1", connect, methods=["POST"])
     app.add_url_rule("/v2/sandboxes/<sandbox_id>/connect", "connect_v2", connect, methods=["POST"])
@@ -421,12 +363,10 @@ def create_app(node: Node) -> QuartTrio:
     @app.post("/sandboxes/<sandbox_id>/resume")
     async def resume(sandbox_id: str) -> Response:
         try:
-            timeout = rq.parse_connect(await _body(), node.limits)
+            timeout = rq.parse_connect(await _body(), service.limits)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        a = sandbox(sandbox_id)
-        if not await _resume(a, timeout):
-            raise ApiError(409, f"sandbox {sandbox_id!r} is already running")
+        a = await service.resume(sandbox_id, timeout)
         return _json(views.sandbox_created(a, domain), 201)
 
     @app.post("/sandboxes/<sandbox_id>/pause")
@@ -435,34 +375,22 @@ def create_app(node: Node) -> QuartTrio:
             mode = rq.parse_pause(await _body())
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        a = sandbox(sandbox_id)
-        await ask(a, Pause(mode), 120)
+        await service.pause(sandbox_id, mode)
         return _no_content()
-
-    def not_yet(what: str) -> Callable[..., Awaitable[Response]]:
-        async def handler(**kw: str) -> Response:
-            sid = kw.get("sandbox_id")
-            if sid is not None:
-                sandbox(sid)
-            raise ApiError(501, f"{what} is not supported by this node yet")
-
-        return handler
 
     @app.post("/sandboxes/<sandbox_id>/fork")
     async def fork(sandbox_id: str) -> Response:
         """Capture once, resume the source, start `count` independent children."""
         try:
-            count, ttl = rq.parse_fork(await _body(), node.limits)
+            count, ttl = rq.parse_fork(await _body(), service.limits)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        a = sandbox(sandbox_id)
-        results = await ask(a, Fork(count, ttl), 600)
         out: list[dict[str, Any]] = []
-        for r in results:
-            if isinstance(r, SandboxActor):
+        for r in await service.fork(sandbox_id, count, ttl):
+            if isinstance(r, sv.SandboxInfo):
                 out.append({"sandbox": views.sandbox_created(r, domain)})
             else:
-                status = 429 if isinstance(r, Busy) else 500
+                status = 429 if isinstance(r, sv.Busy) else 500
                 out.append({"error": {"code": status, "message": f"fork failed: {r}"}})
         return _json(out, 201)
 
@@ -473,21 +401,12 @@ def create_app(node: Node) -> QuartTrio:
             name, memory = rq.parse_snapshot(body)
         except rq.BadRequest as e:
             raise ApiError(400, str(e)) from None
-        a = sandbox(sandbox_id)
-        doc = await ask(a, Snapshot(name, memory), 600)
-        if isinstance(body, dict) and body.get("durable") is True:  # aenv extension
-            doc = await node.durable.wait_durable(doc["snapshotID"])
-            if doc.get("storage") != "durable":
-                why = doc.get("storageError") or "no object store is configured"
-                raise ApiError(503, f"snapshot {doc['snapshotID']} is not durable yet: {why}")
-        return _json(_snapshot_info(doc), 201)
+        durable = isinstance(body, dict) and body.get("durable") is True  # aenv extension
+        snap = await service.snapshot(sandbox_id, name=name, memory=memory, durable=durable)
+        return _json(views.snapshot(snap), 201)
 
     def _snapshot_info(doc: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "snapshotID": doc["snapshotID"],
-            "names": list(doc.get("names") or []),
-            "storage": doc.get("storage") or "local",  # aenv extension: local|uploading|durable
-        }
+        return views.snapshot(SnapshotInfo.from_doc(doc))
 
     @app.get("/snapshots")
     async def snapshot_list() -> Response:
@@ -580,7 +499,8 @@ def create_app(node: Node) -> QuartTrio:
             await node.collect_layers()
             return _no_content()
         t = template(template_id)
-        if any(a.template.template_id == t.template_id for a in node.list()):
+        in_use = await service.list(states=sv.EVERY_STATE)
+        if any(a.template_id == t.template_id for a in in_use):
             raise ApiError(409, f"template {template_id!r} is in use by running sandboxes")
         await node.warmer.forget(t.template_id)  # the template's own snapshots go first
         if any(d.get("templateID") == t.template_id for d in await node.snapshots.list()):
@@ -667,7 +587,7 @@ def create_app(node: Node) -> QuartTrio:
         try:
             record = await node.images.pull(body["image"])
         except PullError as e:
-            raise _pull_error(e) from None
+            raise sv.pull_error(e) from None
         out = record.to_api()
         start_cmd = body.get("startCmd")
         ready_cmd = body.get("readyCmd")
@@ -704,7 +624,7 @@ def create_app(node: Node) -> QuartTrio:
 
     from aenv.api import builds, exec_ws  # the exec WebSocket (docs/exec-protocol.md)
 
-    exec_ws.register(app, node, error_response)
+    exec_ws.register(app, service, node, error_response)
     builds.register(app, node)  # template builds (Template.build)
     return app
 
@@ -730,27 +650,3 @@ async def _build_image_template(
         raise ApiError(400, f"the template's start failed: {build.reason}")
     t = await trio.to_thread.run_sync(node.templates.resolve, build.template_id)
     return t.to_api()
-
-
-def _pull_error(exc: PullError) -> ApiError:
-    """The E2B error for a failed pull: what went wrong, at which registry."""
-    cause = exc.__cause__
-    if isinstance(cause, ImageNotFound):
-        return ApiError(404, str(exc))
-    if isinstance(cause, RegistryAuthError | RegistryNotAllowed):
-        return ApiError(403, str(exc))
-    if isinstance(cause, UnsupportedImage) or cause is None:
-        return ApiError(400, str(exc))
-    # the node has retried the registry already: the SDK's own retries would
-    # only multiply the wait for the same answer
-    return ApiError(502, str(exc), should_retry=False)
-
-
-def _dir_size(path: Path) -> int:
-    """Bytes allocated under `path` (the sandbox's writable layer)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, f)).st_blocks * 512
-    return total

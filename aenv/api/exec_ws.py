@@ -28,11 +28,10 @@ from quart import Response, websocket
 from quart_trio import QuartTrio
 
 from aenv.api.auth import api_key_refusal
-from aenv.node.node import Node, SandboxNotFound
-from aenv.node.sandbox import SandboxActor
+from aenv.node import service as sv
+from aenv.node.node import Node
 from aenv.proto import connect as cn
 from aenv.proto import envd_schema as es
-from aenv.proto.ids import is_sandbox_id
 from aenv.proto.pb import DecodeError, Message, MessageType
 from aenv.runtimes.base import ENVD_PORT
 
@@ -180,12 +179,11 @@ def exit_message(end: Message) -> dict[str, Any]:
 class EnvdProcessClient:
     """Connect calls to one sandbox's envd on behalf of one user."""
 
-    def __init__(self, http: httpx.AsyncClient, actor: SandboxActor, user: str | None) -> None:
-        assert actor.sandbox_ip is not None
-        self.http = http
-        self.base = f"http://{actor.sandbox_ip}:{ENVD_PORT}"
+    def __init__(self, endpoint: sv.Endpoint, user: str | None) -> None:
+        self.http = endpoint.http
+        self.base = f"http://{endpoint.address}"
         self.headers = {
-            "x-access-token": actor.envd_access_token,
+            "x-access-token": endpoint.envd_access_token,
             "connect-protocol-version": "1",
         }
         if user is not None:
@@ -395,7 +393,7 @@ class ExecSession:
             raise ProtocolError(f"unknown message type {kind!r}")
 
 
-def register(app: QuartTrio, node: Node, error_response: Any) -> None:
+def register(app: QuartTrio, service: sv.SandboxService, node: Node, error_response: Any) -> None:
     """Add the exec WebSocket route to the REST app."""
     key = node.api_key.encode()
 
@@ -406,12 +404,14 @@ def register(app: QuartTrio, node: Node, error_response: Any) -> None:
         )
         if refusal is not None:
             return error_response(401, refusal)  # type: ignore[no-any-return]
-        actor = _find(node, sandbox_id)
-        if actor is None:
+        try:
+            endpoint = await service.endpoint(sandbox_id, ENVD_PORT)
+        except sv.NotFound:
             return error_response(404, f"sandbox {sandbox_id!r} not found")  # type: ignore[no-any-return]
-        envd_http = actor.http  # the running period's client (None unless running)
-        if actor.state.value != "running" or actor.sandbox_ip is None or envd_http is None:
-            return error_response(409, f"sandbox {sandbox_id} is {actor.state.value}")  # type: ignore[no-any-return]
+        except sv.NotRunning as e:
+            if e.state not in ("running", "paused"):  # on its way in or out: not there
+                return error_response(404, f"sandbox {sandbox_id!r} not found")  # type: ignore[no-any-return]
+            return error_response(409, e.message)  # type: ignore[no-any-return]
         await websocket.accept()
         node.m_proxied.inc(kind="exec")
         first: str | bytes | None = None
@@ -425,17 +425,7 @@ def register(app: QuartTrio, node: Node, error_response: Any) -> None:
             await websocket.send(json.dumps({"type": "error", "message": str(e)}))
             await websocket.close(1008)
             return None
-        session = ExecSession(websocket, EnvdProcessClient(envd_http, actor, spec.user), spec)
+        session = ExecSession(websocket, EnvdProcessClient(endpoint, spec.user), spec)
         await session.run()
         await websocket.close(1000)
         return None
-
-
-def _find(node: Node, sandbox_id: str) -> SandboxActor | None:
-    if not is_sandbox_id(sandbox_id):
-        return None
-    try:
-        actor = node.get(sandbox_id)
-    except SandboxNotFound:
-        return None
-    return actor if actor.state.value in ("running", "paused") else None
