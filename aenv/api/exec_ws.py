@@ -24,12 +24,11 @@ from typing import Any
 
 import httpx
 import trio
-from quart import Response, websocket
-from quart_trio import QuartTrio
+from quart import Blueprint, Response, websocket
 
 from aenv.api.auth import api_key_refusal
+from aenv.api.common import deps, error_response
 from aenv.node import service as sv
-from aenv.node.node import Node
 from aenv.proto import connect as cn
 from aenv.proto import envd_schema as es
 from aenv.proto.pb import DecodeError, Message, MessageType
@@ -393,39 +392,41 @@ class ExecSession:
             raise ProtocolError(f"unknown message type {kind!r}")
 
 
-def register(app: QuartTrio, service: sv.SandboxService, node: Node, error_response: Any) -> None:
-    """Add the exec WebSocket route to the REST app."""
-    key = node.api_key.encode()
+bp = Blueprint("exec", __name__)
 
-    @app.websocket("/sandboxes/<sandbox_id>/exec")
-    async def exec_ws(sandbox_id: str) -> Response | None:
-        refusal = api_key_refusal(
-            websocket.headers.get("X-API-Key", ""), websocket.headers.get("Authorization", ""), key
-        )
-        if refusal is not None:
-            return error_response(401, refusal)  # type: ignore[no-any-return]
-        try:
-            endpoint = await service.endpoint(sandbox_id, ENVD_PORT)
-        except sv.NotFound:
-            return error_response(404, f"sandbox {sandbox_id!r} not found")  # type: ignore[no-any-return]
-        except sv.NotRunning as e:
-            if e.state not in ("running", "paused"):  # on its way in or out: not there
-                return error_response(404, f"sandbox {sandbox_id!r} not found")  # type: ignore[no-any-return]
-            return error_response(409, e.message)  # type: ignore[no-any-return]
-        await websocket.accept()
-        node.m_proxied.inc(kind="exec")
-        first: str | bytes | None = None
-        with trio.move_on_after(START_TIMEOUT_S):
-            first = await websocket.receive()
-        try:
-            if first is None:
-                raise ProtocolError(f"no start message within {START_TIMEOUT_S:g} s")
-            spec = parse_start(first)
-        except ProtocolError as e:
-            await websocket.send(json.dumps({"type": "error", "message": str(e)}))
-            await websocket.close(1008)
-            return None
-        session = ExecSession(websocket, EnvdProcessClient(endpoint, spec.user), spec)
-        await session.run()
-        await websocket.close(1000)
+
+@bp.websocket("/sandboxes/<sandbox_id>/exec")
+async def exec_ws(sandbox_id: str) -> Response | None:
+    d = deps()
+    refusal = api_key_refusal(
+        websocket.headers.get("X-API-Key", ""),
+        websocket.headers.get("Authorization", ""),
+        d.api_key,
+    )
+    if refusal is not None:
+        return error_response(401, refusal)
+    try:
+        endpoint = await d.service.endpoint(sandbox_id, ENVD_PORT)
+    except sv.NotFound:
+        return error_response(404, f"sandbox {sandbox_id!r} not found")
+    except sv.NotRunning as e:
+        if e.state not in ("running", "paused"):  # on its way in or out: not there
+            return error_response(404, f"sandbox {sandbox_id!r} not found")
+        return error_response(409, e.message)
+    await websocket.accept()
+    d.node.m_proxied.inc(kind="exec")
+    first: str | bytes | None = None
+    with trio.move_on_after(START_TIMEOUT_S):
+        first = await websocket.receive()
+    try:
+        if first is None:
+            raise ProtocolError(f"no start message within {START_TIMEOUT_S:g} s")
+        spec = parse_start(first)
+    except ProtocolError as e:
+        await websocket.send(json.dumps({"type": "error", "message": str(e)}))
+        await websocket.close(1008)
         return None
+    session = ExecSession(websocket, EnvdProcessClient(endpoint, spec.user), spec)
+    await session.run()
+    await websocket.close(1000)
+    return None
