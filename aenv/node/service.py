@@ -54,6 +54,7 @@ from aenv.node.sandbox import (
     Snapshot,
 )
 from aenv.node.snapshots import CorruptSnapshot
+from aenv.proto import lifecycle as lc
 from aenv.proto.envd_schema import ENVD_VERSION
 from aenv.proto.ids import InvalidName, is_sandbox_id
 from aenv.proto.netpolicy import EgressPolicy
@@ -67,9 +68,7 @@ log = logging.getLogger("aenv.service")
 ADDRESSABLE = frozenset({"running", "pausing", "paused", "resuming"})
 # Those E2B reports as "paused".
 PAUSED = frozenset({"pausing", "paused", "resuming"})
-EVERY_STATE = frozenset(
-    {"creating", "running", "pausing", "paused", "resuming", "stopping", "stopped", "failed"}
-)
+EVERY_STATE = frozenset(s.value for s in lc.State)
 
 ASK_S = 60.0
 PAUSE_S = 120.0
