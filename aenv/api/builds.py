@@ -18,11 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import trio
-from quart import Response, request
-from quart_trio import QuartTrio
+from quart import Blueprint, Response, request
 
 from aenv.api import views
-from aenv.api.app import ApiError, _body, _json
+from aenv.api.common import ApiError, deps, json_response, read_body
 from aenv.node.builds import (
     STEP_TYPES,
     Build,
@@ -32,7 +31,6 @@ from aenv.node.builds import (
     BuildSpec,
     Step,
 )
-from aenv.node.node import Node
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.storage.templates import TemplateNotFound
@@ -43,6 +41,8 @@ DEFAULT_LOG_LIMIT = 100
 MAX_LOG_LIMIT = 1000
 LEVELS = ("debug", "info", "warn", "error")
 _HASH = re.compile(r"[0-9a-f]{64}")
+
+bp = Blueprint("builds", __name__)
 
 
 class BadBuild(ValueError):
@@ -161,105 +161,109 @@ def _level_filter(entries: list[BuildLog]) -> list[BuildLog]:
     return [e for e in entries if LEVELS.index(e.level) >= LEVELS.index(level)]
 
 
-def register(app: QuartTrio, node: Node) -> None:
-    """Add the template build routes to the REST app."""
+def _build(template_id: str, build_id: str) -> Build:
+    try:
+        return deps().node.builds.get(template_id, build_id)
+    except BuildNotFound as e:
+        raise ApiError(404, str(e)) from None
 
-    def build(template_id: str, build_id: str) -> Build:
-        try:
-            return node.builds.get(template_id, build_id)
-        except BuildNotFound as e:
-            raise ApiError(404, str(e)) from None
 
-    @app.post("/v3/templates")
-    async def build_request() -> Response:
-        body = await _body()
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        name = body.get("name") or body.get("alias")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "name is required and must be a string")
-        name, _, tag = name.partition(":")
-        tags = body.get("tags")
-        if tag or tags:
-            raise ApiError(400, "template tags are not supported by this node yet")
-        sizes: dict[str, int] = {}
-        for key, low, high, default in (
-            ("cpuCount", 1, node.limits.max_cpu, node.config.default_cpu),
-            ("memoryMB", 128, node.limits.max_memory_mb, node.config.default_memory_mb),
-        ):
-            value = body.get(key)
-            if value is None:
-                sizes[key] = min(default, high)
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                raise ApiError(400, f"{key} must be an integer from {low} to {high}")
-            sizes[key] = value
-        try:
-            b = await node.builds.request(
-                name, cpu_count=sizes["cpuCount"], memory_mb=sizes["memoryMB"]
-            )
-        except InvalidName as e:
-            raise ApiError(400, str(e)) from None
-        except BuildConflict as e:
-            raise ApiError(409, str(e)) from None
-        return _json(
-            {
-                "templateID": b.template_id,
-                "buildID": b.build_id,
-                "public": True,
-                "names": [b.name],
-                "aliases": [b.name],
-                "tags": [],
-            },
-            202,
+@bp.post("/v3/templates")
+async def build_request() -> Response:
+    node = deps().node
+    body = await read_body()
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    name = body.get("name") or body.get("alias")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "name is required and must be a string")
+    name, _, tag = name.partition(":")
+    tags = body.get("tags")
+    if tag or tags:
+        raise ApiError(400, "template tags are not supported by this node yet")
+    sizes: dict[str, int] = {}
+    for key, low, high, default in (
+        ("cpuCount", 1, node.limits.max_cpu, node.config.default_cpu),
+        ("memoryMB", 128, node.limits.max_memory_mb, node.config.default_memory_mb),
+    ):
+        value = body.get(key)
+        if value is None:
+            sizes[key] = min(default, high)
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ApiError(400, f"{key} must be an integer from {low} to {high}")
+        sizes[key] = value
+    try:
+        b = await node.builds.request(
+            name, cpu_count=sizes["cpuCount"], memory_mb=sizes["memoryMB"]
         )
+    except InvalidName as e:
+        raise ApiError(400, str(e)) from None
+    except BuildConflict as e:
+        raise ApiError(409, str(e)) from None
+    return json_response(
+        {
+            "templateID": b.template_id,
+            "buildID": b.build_id,
+            "public": True,
+            "names": [b.name],
+            "aliases": [b.name],
+            "tags": [],
+        },
+        202,
+    )
 
-    @app.get("/templates/<template_id>/files/<files_hash>")
-    async def build_files(template_id: str, files_hash: str) -> Response:
-        if not _HASH.fullmatch(files_hash):
-            raise ApiError(400, "the files hash must be a lowercase hex SHA-256")
-        if not node.builds.of_template(template_id):
-            try:
-                await trio.to_thread.run_sync(node.templates.resolve, template_id)
-            except (TemplateNotFound, InvalidName):
-                raise ApiError(404, f"template {template_id!r} not found") from None
-        # No uploads are taken: "present" makes the SDK skip the upload, and the
-        # build fails at its COPY step with a clear message.
-        return _json({"present": True}, 201)
 
-    @app.post("/v2/templates/<template_id>/builds/<build_id>")
-    async def build_start(template_id: str, build_id: str) -> Response:
-        b = build(template_id, build_id)
+@bp.get("/templates/<template_id>/files/<files_hash>")
+async def build_files(template_id: str, files_hash: str) -> Response:
+    node = deps().node
+    if not _HASH.fullmatch(files_hash):
+        raise ApiError(400, "the files hash must be a lowercase hex SHA-256")
+    if not node.builds.of_template(template_id):
         try:
-            spec = parse_build_start(await _body())
-        except BadBuild as e:
-            raise ApiError(400, str(e)) from None
-        try:
-            node.builds.start(b, spec)
-        except BuildConflict as e:
-            raise ApiError(409, str(e)) from None
-        return Response("", status=202)
+            await trio.to_thread.run_sync(node.templates.resolve, template_id)
+        except (TemplateNotFound, InvalidName):
+            raise ApiError(404, f"template {template_id!r} not found") from None
+    # No uploads are taken: "present" makes the SDK skip the upload, and the
+    # build fails at its COPY step with a clear message.
+    return json_response({"present": True}, 201)
 
-    @app.get("/templates/<template_id>/builds/<build_id>/status")
-    async def build_status(template_id: str, build_id: str) -> Response:
-        b = build(template_id, build_id)
-        offset = _int_arg("logsOffset", 0, 0, 1 << 31)
-        limit = _int_arg("limit", DEFAULT_LOG_LIMIT, 0, MAX_LOG_LIMIT)
-        entries = _level_filter(b.logs[offset : offset + limit])
-        return _json(build_info(b, entries))
 
-    @app.get("/templates/<template_id>/builds/<build_id>/logs")
-    async def build_logs(template_id: str, build_id: str) -> Response:
-        b = build(template_id, build_id)
-        cursor = _int_arg("cursor", 0, 0, 1 << 62)
-        limit = _int_arg("limit", DEFAULT_LOG_LIMIT, 0, MAX_LOG_LIMIT)
-        direction = request.args.get("direction") or "forward"
-        if direction not in ("forward", "backward"):
-            raise ApiError(400, "direction must be forward or backward")
-        entries = _level_filter(b.logs)
-        if direction == "forward":
-            entries = [e for e in entries if e.timestamp * 1000 >= cursor][:limit]
-        else:
-            entries = [e for e in entries if not cursor or e.timestamp * 1000 <= cursor]
-            entries = entries[::-1][:limit]
-        return _json({"logs": [log_entry(e) for e in entries]})
+@bp.post("/v2/templates/<template_id>/builds/<build_id>")
+async def build_start(template_id: str, build_id: str) -> Response:
+    b = _build(template_id, build_id)
+    try:
+        spec = parse_build_start(await read_body())
+    except BadBuild as e:
+        raise ApiError(400, str(e)) from None
+    try:
+        deps().node.builds.start(b, spec)
+    except BuildConflict as e:
+        raise ApiError(409, str(e)) from None
+    return Response("", status=202)
+
+
+@bp.get("/templates/<template_id>/builds/<build_id>/status")
+async def build_status(template_id: str, build_id: str) -> Response:
+    b = _build(template_id, build_id)
+    offset = _int_arg("logsOffset", 0, 0, 1 << 31)
+    limit = _int_arg("limit", DEFAULT_LOG_LIMIT, 0, MAX_LOG_LIMIT)
+    entries = _level_filter(b.logs[offset : offset + limit])
+    return json_response(build_info(b, entries))
+
+
+@bp.get("/templates/<template_id>/builds/<build_id>/logs")
+async def build_logs(template_id: str, build_id: str) -> Response:
+    b = _build(template_id, build_id)
+    cursor = _int_arg("cursor", 0, 0, 1 << 62)
+    limit = _int_arg("limit", DEFAULT_LOG_LIMIT, 0, MAX_LOG_LIMIT)
+    direction = request.args.get("direction") or "forward"
+    if direction not in ("forward", "backward"):
+        raise ApiError(400, "direction must be forward or backward")
+    entries = _level_filter(b.logs)
+    if direction == "forward":
+        entries = [e for e in entries if e.timestamp * 1000 >= cursor][:limit]
+    else:
+        entries = [e for e in entries if not cursor or e.timestamp * 1000 <= cursor]
+        entries = entries[::-1][:limit]
+    return json_response({"logs": [log_entry(e) for e in entries]})

@@ -4,9 +4,10 @@ The `aenv` CLI's `exec`, `connect` and `start` speak this small protocol
 (docs/exec-protocol.md): text frames are JSON control messages, binary frames
 are one channel byte followed by data. The handler authenticates with the
 node's API key like every REST route, then turns the session into envd
-Connect calls on the sandbox's network slot: one `process.Process/Start`
-server stream for output and the exit status, and unary `SendInput`,
-`Update`, `SendSignal` and `CloseStdin` calls for what the client sends.
+Connect calls (`aenv.node.envd_client`) on the sandbox's network slot: one
+`process.Process/Start` server stream for output and the exit status, and
+unary `SendInput`, `Update`, `SendSignal` and `CloseStdin` calls for what
+the client sends.
 Flow control is end to end: the output loop sends each frame before it reads
 more from envd, so a slow WebSocket client stops the read, which fills envd's
 bounded fan-out, which stops envd reading the process's pipe. Nothing here
@@ -15,7 +16,6 @@ buffers more than one envd chunk. A client that goes away kills the process.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import math
@@ -24,16 +24,15 @@ from typing import Any
 
 import httpx
 import trio
-from quart import Response, websocket
-from quart_trio import QuartTrio
+from quart import Blueprint, Response, websocket
 
 from aenv.api.auth import api_key_refusal
-from aenv.node.node import Node, SandboxNotFound
-from aenv.node.sandbox import SandboxActor
+from aenv.api.common import deps, error_response
+from aenv.node import service as sv
+from aenv.node.envd_client import EnvdClient
 from aenv.proto import connect as cn
 from aenv.proto import envd_schema as es
-from aenv.proto.ids import is_sandbox_id
-from aenv.proto.pb import DecodeError, Message, MessageType
+from aenv.proto.pb import DecodeError, Message
 from aenv.runtimes.base import ENVD_PORT
 
 log = logging.getLogger("aenv.api.exec")
@@ -49,13 +48,8 @@ START_TIMEOUT_S = 30.0
 DEFAULT_KEEPALIVE_S = 15.0
 MIN_KEEPALIVE_S = 1.0
 MAX_KEEPALIVE_S = 300.0
-ENVD_KEEPALIVE_S = 30
-MAX_ENVD_MESSAGE = 1024 * 1024
 MAX_INPUT_FRAME = 1024 * 1024
-MAX_ERROR_BODY = 64 * 1024
 CLEANUP_TIMEOUT_S = 5.0
-UNARY_TIMEOUT = httpx.Timeout(connect=10.0, read=30.0, write=30.0, pool=10.0)
-STREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=10.0)
 
 _SIGNALS = {"TERM": es.Signal.SIGTERM, "KILL": es.Signal.SIGKILL}
 # envd reports a signal death by name (its EndEvent status "signal: <name>").
@@ -177,57 +171,10 @@ def exit_message(end: Message) -> dict[str, Any]:
     return out
 
 
-class EnvdProcessClient:
-    """Connect calls to one sandbox's envd on behalf of one user."""
-
-    def __init__(self, http: httpx.AsyncClient, actor: SandboxActor, user: str | None) -> None:
-        assert actor.sandbox_ip is not None
-        self.http = http
-        self.base = f"http://{actor.sandbox_ip}:{ENVD_PORT}"
-        self.headers = {
-            "x-access-token": actor.envd_access_token,
-            "connect-protocol-version": "1",
-        }
-        if user is not None:
-            basic = base64.b64encode(f"{user}:".encode()).decode()
-            self.headers["authorization"] = f"Basic {basic}"
-
-    async def unary(self, method: str, mtype: MessageType, msg: Message) -> None:
-        """Call `process.Process/<method>`; raise ConnectError on failure."""
-        r = await self.http.post(
-            f"{self.base}/process.Process/{method}",
-            content=mtype.encode(msg),
-            headers={**self.headers, "content-type": "application/proto"},
-            timeout=UNARY_TIMEOUT,
-        )
-        if r.status_code != 200:
-            raise _error_from(r.status_code, r.content)
-
-    def start_request(self, req: Message) -> httpx.Request:
-        return self.http.build_request(
-            "POST",
-            f"{self.base}/process.Process/Start",
-            content=cn.encode_envelope(es.START_REQUEST.encode(req)),
-            headers={
-                **self.headers,
-                "content-type": "application/connect+proto",
-                "keepalive-ping-interval": str(ENVD_KEEPALIVE_S),
-            },
-            timeout=STREAM_TIMEOUT,
-        )
-
-
-def _error_from(status: int, body: bytes) -> cn.ConnectError:
-    try:
-        return cn.parse_error_body(body[:MAX_ERROR_BODY])
-    except DecodeError:
-        return cn.ConnectError(cn.code_from_http_status(status), f"envd answered HTTP {status}")
-
-
 class ExecSession:
     """One WebSocket session: the output pump, the input pump and keepalives."""
 
-    def __init__(self, ws: Any, envd: EnvdProcessClient, spec: StartSpec) -> None:
+    def __init__(self, ws: Any, envd: EnvdClient, spec: StartSpec) -> None:
         self.ws = ws
         self.envd = envd
         self.spec = spec
@@ -256,7 +203,7 @@ class ExecSession:
                     cleanup.shield = True
                     try:
                         await self.envd.unary(
-                            "SendSignal",
+                            "process.Process/SendSignal",
                             es.SEND_SIGNAL_REQUEST,
                             {"process": {"pid": self.pid}, "signal": int(es.Signal.SIGKILL)},
                         )
@@ -270,53 +217,34 @@ class ExecSession:
                 await self.send_json({"type": "keepalive"})
 
     async def _output(self, nursery: trio.Nursery) -> None:
-        request = self.envd.start_request(self.spec.start_request())
         try:
-            resp = await self.envd.http.send(request, stream=True)
+            stream = await self.envd.start_process(self.spec.start_request())
         except httpx.HTTPError as e:
             await self.send_json({"type": "error", "message": f"envd unreachable: {e}"})
             return
-        try:
-            if resp.status_code != 200:
-                body = b""
-                async for chunk in resp.aiter_raw():
-                    body += chunk
-                    if len(body) > MAX_ERROR_BODY:
-                        break
-                err = _error_from(resp.status_code, body)
-                await self.send_json(
-                    {"type": "error", "message": err.message, "code": err.code.value}
-                )
-                return
-            decoder = cn.EnvelopeDecoder(max_message_size=MAX_ENVD_MESSAGE)
-            async for chunk in resp.aiter_raw():
-                for env in decoder.feed(chunk):
-                    if env.end_stream:
-                        error, _ = cn.parse_end_stream(env.data)
-                        if error is not None and not self.ended:
-                            await self.send_json(
-                                {
-                                    "type": "error",
-                                    "message": error.message,
-                                    "code": error.code.value,
-                                }
-                            )
-                        return
-                    event = es.START_RESPONSE.decode(env.data).get("event", {})
+        except cn.ConnectError as e:
+            await self.send_json({"type": "error", "message": e.message, "code": e.code.value})
+            return
+        async with stream:
+            try:
+                async for event in stream:
                     await self._event(event, nursery)
                     if self.ended:
                         return
-            decoder.close()
-            if not self.ended:
+            except cn.ConnectError as e:  # what envd ended the stream with
+                if not self.ended:
+                    await self.send_json(
+                        {"type": "error", "message": e.message, "code": e.code.value}
+                    )
+                return
+            except (httpx.HTTPError, DecodeError) as e:
+                if not self.ended:
+                    await self.send_json({"type": "error", "message": f"envd stream broke: {e}"})
+                return
+            if not self.ended and not stream.complete:
                 await self.send_json(
                     {"type": "error", "message": "envd closed the stream without an exit status"}
                 )
-        except (httpx.HTTPError, DecodeError) as e:
-            if not self.ended:
-                await self.send_json({"type": "error", "message": f"envd stream broke: {e}"})
-        finally:
-            with trio.CancelScope(shield=True):
-                await resp.aclose()
 
     async def _event(self, event: Message, nursery: trio.Nursery) -> None:
         if "start" in event:
@@ -359,7 +287,7 @@ class ExecSession:
                 raise ProtocolError(f"input frames are limited to {MAX_INPUT_FRAME} bytes")
             key = "pty" if self.spec.pty is not None else "stdin"
             await self.envd.unary(
-                "SendInput",
+                "process.Process/SendInput",
                 es.SEND_INPUT_REQUEST,
                 {"process": selector, "input": {key: raw[1:]}},
             )
@@ -376,7 +304,7 @@ class ExecSession:
                 raise ProtocolError("resize needs a session started with pty")
             cols, rows = _size(msg, "resize")
             await self.envd.unary(
-                "Update",
+                "process.Process/Update",
                 es.UPDATE_REQUEST,
                 {"process": selector, "pty": {"size": {"cols": cols, "rows": rows}}},
             )
@@ -385,57 +313,58 @@ class ExecSession:
             if sig is None:
                 raise ProtocolError("signal must be TERM or KILL")
             await self.envd.unary(
-                "SendSignal", es.SEND_SIGNAL_REQUEST, {"process": selector, "signal": int(sig)}
+                "process.Process/SendSignal",
+                es.SEND_SIGNAL_REQUEST,
+                {"process": selector, "signal": int(sig)},
             )
         elif kind == "close-stdin":
-            await self.envd.unary("CloseStdin", es.CLOSE_STDIN_REQUEST, {"process": selector})
+            await self.envd.unary(
+                "process.Process/CloseStdin", es.CLOSE_STDIN_REQUEST, {"process": selector}
+            )
         elif kind == "keepalive":
             return
         else:
             raise ProtocolError(f"unknown message type {kind!r}")
 
 
-def register(app: QuartTrio, node: Node, error_response: Any) -> None:
-    """Add the exec WebSocket route to the REST app."""
-    key = node.api_key.encode()
-
-    @app.websocket("/sandboxes/<sandbox_id>/exec")
-    async def exec_ws(sandbox_id: str) -> Response | None:
-        refusal = api_key_refusal(
-            websocket.headers.get("X-API-Key", ""), websocket.headers.get("Authorization", ""), key
-        )
-        if refusal is not None:
-            return error_response(401, refusal)  # type: ignore[no-any-return]
-        actor = _find(node, sandbox_id)
-        if actor is None:
-            return error_response(404, f"sandbox {sandbox_id!r} not found")  # type: ignore[no-any-return]
-        envd_http = actor.http  # the running period's client (None unless running)
-        if actor.state.value != "running" or actor.sandbox_ip is None or envd_http is None:
-            return error_response(409, f"sandbox {sandbox_id} is {actor.state.value}")  # type: ignore[no-any-return]
-        await websocket.accept()
-        node.m_proxied.inc(kind="exec")
-        first: str | bytes | None = None
-        with trio.move_on_after(START_TIMEOUT_S):
-            first = await websocket.receive()
-        try:
-            if first is None:
-                raise ProtocolError(f"no start message within {START_TIMEOUT_S:g} s")
-            spec = parse_start(first)
-        except ProtocolError as e:
-            await websocket.send(json.dumps({"type": "error", "message": str(e)}))
-            await websocket.close(1008)
-            return None
-        session = ExecSession(websocket, EnvdProcessClient(envd_http, actor, spec.user), spec)
-        await session.run()
-        await websocket.close(1000)
-        return None
+bp = Blueprint("exec", __name__)
 
 
-def _find(node: Node, sandbox_id: str) -> SandboxActor | None:
-    if not is_sandbox_id(sandbox_id):
-        return None
+@bp.websocket("/sandboxes/<sandbox_id>/exec")
+async def exec_ws(sandbox_id: str) -> Response | None:
+    d = deps()
+    refusal = api_key_refusal(
+        websocket.headers.get("X-API-Key", ""),
+        websocket.headers.get("Authorization", ""),
+        d.api_key,
+    )
+    if refusal is not None:
+        return error_response(401, refusal)
     try:
-        actor = node.get(sandbox_id)
-    except SandboxNotFound:
+        endpoint = await d.service.endpoint(sandbox_id, ENVD_PORT)
+    except sv.NotFound:
+        return error_response(404, f"sandbox {sandbox_id!r} not found")
+    except sv.NotRunning as e:
+        if e.state not in ("running", "paused"):  # on its way in or out: not there
+            return error_response(404, f"sandbox {sandbox_id!r} not found")
+        return error_response(409, e.message)
+    await websocket.accept()
+    d.node.m_proxied.inc(kind="exec")
+    first: str | bytes | None = None
+    with trio.move_on_after(START_TIMEOUT_S):
+        first = await websocket.receive()
+    try:
+        if first is None:
+            raise ProtocolError(f"no start message within {START_TIMEOUT_S:g} s")
+        spec = parse_start(first)
+    except ProtocolError as e:
+        await websocket.send(json.dumps({"type": "error", "message": str(e)}))
+        await websocket.close(1008)
         return None
-    return actor if actor.state.value in ("running", "paused") else None
+    envd = EnvdClient(
+        endpoint.http, f"http://{endpoint.address}", endpoint.envd_access_token, user=spec.user
+    )
+    session = ExecSession(websocket, envd, spec)
+    await session.run()
+    await websocket.close(1000)
+    return None

@@ -22,12 +22,11 @@ import httpx
 import trio
 import trio_websocket
 
-from aenv.node.node import Node, SandboxNotFound
-from aenv.node.sandbox import Resume
+from aenv.kit.metrics import Metric
+from aenv.node import service as sv
 from aenv.proto.routing import Route, RoutingError, route
 from aenv.runtimes.base import ENVD_PORT
 
-RESUME_TIMEOUT_S = 120.0
 log = logging.getLogger("aenv.proxy")
 
 Scope = MutableMapping[str, Any]
@@ -76,9 +75,20 @@ class ClientGone(Exception):
 
 
 class SandboxProxy:
-    def __init__(self, app: ASGIApp, node: Node) -> None:
+    """`app` behind the proxy; `proxied` counts the requests sent into sandboxes, by kind."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        service: sv.SandboxService,
+        *,
+        domain: str | None,
+        proxied: Metric,
+    ) -> None:
         self.app = app
-        self.node = node
+        self.service = service
+        self.domain = domain
+        self.proxied = proxied
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -86,7 +96,7 @@ class SandboxProxy:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            target = route(headers, self.node.config.domain)
+            target = route(headers, self.domain)
         except RoutingError as e:
             if scope["type"] == "http":
                 await _send_error(send, 400, str(e))
@@ -96,9 +106,8 @@ class SandboxProxy:
         if target is None:
             await self.app(scope, receive, send)
             return
-        await self._wake(target)
-        found = self._upstream(target, headers)
-        if isinstance(found[0], int):
+        found = await self._upstream(target, headers)
+        if isinstance(found, tuple):
             status, message = found
             if scope["type"] == "http":
                 await _send_error(send, status, message, sandboxId=target.sandbox_id)
@@ -106,42 +115,28 @@ class SandboxProxy:
                 await send({"type": "websocket.close", "code": 1008 if status == 403 else 1011})
             return
         if scope["type"] == "http":
-            self.node.m_proxied.inc(kind="envd" if target.port == ENVD_PORT else "http")
-            address, client = found
-            assert isinstance(address, str) and isinstance(client, httpx.AsyncClient)
-            await self._http(scope, receive, send, address, client, headers)
+            self.proxied.inc(kind="envd" if target.port == ENVD_PORT else "http")
+            await self._http(scope, receive, send, found.address, found.http, headers)
         else:
-            self.node.m_proxied.inc(kind="websocket")
-            assert isinstance(found[0], str)
-            await self._websocket(scope, receive, send, found[0])
+            self.proxied.inc(kind="websocket")
+            await self._websocket(scope, receive, send, found.address)
 
-    async def _wake(self, target: Route) -> None:
-        """Resume a paused sandbox created with autoResume before its traffic goes in."""
-        try:
-            actor = self.node.get(target.sandbox_id)
-        except SandboxNotFound:
-            return
-        # a pause in progress answers the resume once it is done (the mailbox queues it)
-        if actor.auto_resume and actor.state.value in ("paused", "pausing"):
-            try:
-                await actor.mailbox.ask(Resume(None), timeout=RESUME_TIMEOUT_S)
-            except Exception as exc:  # the request then fails as for any paused sandbox
-                log.warning("auto-resume of %s failed: %r", target.sandbox_id, exc)
-
-    def _upstream(
+    async def _upstream(
         self, target: Route, headers: dict[str, str]
-    ) -> tuple[str, httpx.AsyncClient] | tuple[int, str]:
+    ) -> sv.Endpoint | tuple[int, str]:
+        """Where the request goes (a paused sandbox created with autoResume is
+        resumed first), or the status and message of the refusal."""
         try:
-            actor = self.node.get(target.sandbox_id)
-        except SandboxNotFound:
+            ep = await self.service.endpoint(target.sandbox_id, target.port, auto_resume=True)
+        except sv.NotFound:
             return 502, f"The sandbox {target.sandbox_id} was not found"
-        if actor.state.value != "running" or actor.sandbox_ip is None or actor.http is None:
-            return 502, f"The sandbox {target.sandbox_id} is {actor.state.value}"
-        if not actor.allow_public_traffic and target.port != ENVD_PORT:
+        except sv.NotRunning as e:
+            return 502, f"The sandbox {target.sandbox_id} is {e.state}"
+        if not ep.allow_public_traffic and target.port != ENVD_PORT:
             token = headers.get("e2b-traffic-access-token", "")
-            if not hmac.compare_digest(token.encode(), actor.traffic_access_token.encode()):
+            if not hmac.compare_digest(token.encode(), ep.traffic_access_token.encode()):
                 return 403, "missing or invalid e2b-traffic-access-token"
-        return f"{actor.sandbox_ip}:{target.port}", actor.http
+        return ep
 
     async def _http(
         self,

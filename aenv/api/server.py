@@ -24,6 +24,7 @@ from aenv.api.app import create_app
 from aenv.api.proxy import ASGIApp, SandboxProxy
 from aenv.config import Config
 from aenv.node.node import Node, open_node
+from aenv.node.service import LocalSandboxService
 
 log = logging.getLogger("aenv.server")
 
@@ -42,7 +43,9 @@ def hypercorn_config(listen: str) -> HyperConfig:
 
 def build_asgi(node: Node) -> SandboxProxy:
     """The REST app behind the sandbox proxy (which sees every request first)."""
-    return SandboxProxy(cast(ASGIApp, create_app(node)), node)
+    service = LocalSandboxService(node)
+    app = cast(ASGIApp, create_app(service, node))
+    return SandboxProxy(app, service, domain=node.config.domain, proxied=node.m_proxied)
 
 
 async def serve(

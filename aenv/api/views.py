@@ -5,9 +5,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from aenv.node.sandbox import LogEntry, SandboxActor
+from aenv.node.service import PAUSED, LogEntry, SandboxInfo, SandboxMetrics, SnapshotInfo
 from aenv.proto.envd_schema import ENVD_VERSION
-from aenv.runtimes.base import Usage
 from aenv.storage.templates import Template
 
 CLIENT_ID = "aenv"
@@ -17,51 +16,48 @@ def iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.UTC).isoformat().replace("+00:00", "Z")
 
 
-PAUSED_STATES = frozenset({"pausing", "paused", "resuming"})
-
-
-def api_state(a: SandboxActor) -> str:
+def api_state(a: SandboxInfo) -> str:
     # E2B knows only running and paused; creating/stopping sandboxes are not listed.
-    return "paused" if a.state.value in PAUSED_STATES else "running"
+    return "paused" if a.state in PAUSED else "running"
 
 
-def sandbox_created(a: SandboxActor, domain: str | None) -> dict[str, Any]:
+def sandbox_created(a: SandboxInfo, domain: str | None) -> dict[str, Any]:
     return {
-        "templateID": a.template.template_id,
+        "templateID": a.template_id,
         "sandboxID": a.sandbox_id,
-        "alias": a.template.aliases[0] if a.template.aliases else a.template.template_id,
+        "alias": a.alias or a.template_id,
         "clientID": CLIENT_ID,
-        "envdVersion": ENVD_VERSION,
+        "envdVersion": a.envd_version,
         "envdAccessToken": a.envd_access_token,
         "trafficAccessToken": None if a.allow_public_traffic else a.traffic_access_token,
         "domain": domain,
     }
 
 
-def _common(a: SandboxActor) -> dict[str, Any]:
+def _common(a: SandboxInfo) -> dict[str, Any]:
     d: dict[str, Any] = {
-        "templateID": a.template.template_id,
+        "templateID": a.template_id,
         "sandboxID": a.sandbox_id,
         "clientID": CLIENT_ID,
         "startedAt": iso(a.started_at),
-        "endAt": iso(a.end_at()),
+        "endAt": iso(a.end_at),
         "cpuCount": a.cpu_count,
         "memoryMB": a.memory_mb,
-        "diskSizeMB": a.template.disk_size_mb,
+        "diskSizeMB": a.disk_size_mb,
         "state": api_state(a),
-        "envdVersion": ENVD_VERSION,
-        "metadata": a.metadata,
+        "envdVersion": a.envd_version,
+        "metadata": dict(a.metadata),
     }
-    if a.template.aliases:
-        d["alias"] = a.template.aliases[0]
+    if a.alias is not None:
+        d["alias"] = a.alias
     return d
 
 
-def sandbox_listed(a: SandboxActor) -> dict[str, Any]:
+def sandbox_listed(a: SandboxInfo) -> dict[str, Any]:
     return _common(a)
 
 
-def sandbox_detail(a: SandboxActor, domain: str | None) -> dict[str, Any]:
+def sandbox_detail(a: SandboxInfo, domain: str | None) -> dict[str, Any]:
     d = _common(a)
     network = a.policy.to_api()
     network["allowPublicTraffic"] = a.allow_public_traffic
@@ -80,22 +76,22 @@ def sandbox_detail(a: SandboxActor, domain: str | None) -> dict[str, Any]:
             "pausedInMemory": a.paused_in_memory,
         }
     )
-    if a.state.value == "paused":
+    if a.state == "paused":
         d["pauseMode"] = a.pause_mode
     return d
 
 
-def metric(a: SandboxActor, u: Usage, ts: float, disk_used: int) -> dict[str, Any]:
+def metric(m: SandboxMetrics) -> dict[str, Any]:
     return {
-        "timestamp": iso(ts),
-        "timestampUnix": int(ts),
-        "cpuCount": a.cpu_count,
-        "cpuUsedPct": round(u.cpu_used_pct, 2),
-        "memUsed": u.mem_used_bytes,
-        "memTotal": u.mem_total_bytes,
+        "timestamp": iso(m.timestamp),
+        "timestampUnix": int(m.timestamp),
+        "cpuCount": m.cpu_count,
+        "cpuUsedPct": round(m.cpu_used_pct, 2),
+        "memUsed": m.mem_used_bytes,
+        "memTotal": m.mem_total_bytes,
         "memCache": 0,
-        "diskUsed": disk_used,
-        "diskTotal": a.template.disk_size_mb * 1024 * 1024,
+        "diskUsed": m.disk_used_bytes,
+        "diskTotal": m.disk_total_bytes,
     }
 
 
@@ -104,7 +100,15 @@ def log_entry(e: LogEntry) -> dict[str, Any]:
         "timestamp": iso(e.timestamp),
         "message": e.message,
         "level": e.level,
-        "fields": e.fields,
+        "fields": dict(e.fields),
+    }
+
+
+def snapshot(s: SnapshotInfo) -> dict[str, Any]:
+    return {
+        "snapshotID": s.snapshot_id,
+        "names": list(s.names),
+        "storage": s.storage,  # aenv extension: local|uploading|durable
     }
 
 

@@ -18,7 +18,6 @@ COPY steps (file uploads) are not supported yet and fail the build.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import logging
@@ -34,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
+from aenv.node.envd_client import EnvdClient
 from aenv.node.sandbox import SandboxActor, Snapshot
 from aenv.proto import connect as cn
-from aenv.proto import envd_schema as es
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.pb import DecodeError
 from aenv.proto.requests import NewSandbox
@@ -56,9 +55,7 @@ SNAPSHOT_TIMEOUT_S = 600.0
 MAX_LOG_ENTRIES = 20_000
 MAX_LINE = 8192
 MAX_FINISHED_BUILDS = 200
-MAX_ENVD_MESSAGE = 1024 * 1024
 STEP_TYPES = frozenset({"RUN", "ENV", "WORKDIR", "USER", "COPY"})
-_STREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=10.0)
 
 
 class BuildNotFound(LookupError):
@@ -181,64 +178,35 @@ async def run_in_sandbox(
     client = actor.http
     if client is None or actor.sandbox_ip is None:
         raise RuntimeError(f"build sandbox {actor.sandbox_id} is not running")
+    # no idle connection may stay behind: a memory capture would hold it
+    envd = EnvdClient(
+        client,
+        f"http://{actor.sandbox_ip}:{ENVD_PORT}",
+        actor.envd_access_token,
+        user=user,
+        close_connections=True,
+    )
     config: dict[str, Any] = {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": envs}
     if cwd is not None:
         config["cwd"] = cwd
-    request = client.build_request(
-        "POST",
-        f"http://{actor.sandbox_ip}:{ENVD_PORT}/process.Process/Start",
-        content=cn.encode_envelope(es.START_REQUEST.encode({"process": config, "stdin": False})),
-        headers={
-            "x-access-token": actor.envd_access_token,
-            "authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode(),
-            "connect-protocol-version": "1",
-            "content-type": "application/connect+proto",
-            "keepalive-ping-interval": "30",
-            # no idle connection may stay behind: a memory capture would hold it
-            "connection": "close",
-        },
-        timeout=_STREAM_TIMEOUT,
-    )
-    resp = await client.send(request, stream=True)
     lines = _Lines(on_output or (lambda _s, _l: None))
-    try:
-        if resp.status_code != 200:
-            body = (await resp.aread())[:65536]
-            try:
-                raise cn.parse_error_body(body)
-            except DecodeError:
-                raise cn.ConnectError(
-                    cn.code_from_http_status(resp.status_code),
-                    f"envd answered HTTP {resp.status_code}",
-                ) from None
-        decoder = cn.EnvelopeDecoder(max_message_size=MAX_ENVD_MESSAGE)
-        async for chunk in resp.aiter_raw():
-            for env in decoder.feed(chunk):
-                if env.end_stream:
-                    error, _ = cn.parse_end_stream(env.data)
-                    if error is not None:
-                        raise error
-                    raise cn.ConnectError(
-                        cn.Code.UNKNOWN, "envd ended the stream without an exit status"
-                    )
-                event = es.START_RESPONSE.decode(env.data).get("event", {})
-                if "start" in event and on_start is not None:
-                    on_start(int(event["start"].get("pid", 0)))
-                elif "data" in event:
-                    for stream in ("stdout", "stderr", "pty"):
-                        data = event["data"].get(stream)
-                        if data:
-                            lines.feed(stream, data)
-                elif "end" in event:
-                    lines.flush()
-                    end = event["end"]
-                    status = str(end.get("status", ""))
-                    code = int(end.get("exit_code", 0)) if end.get("exited", False) else -1
-                    return code, status
-        raise cn.ConnectError(cn.Code.UNKNOWN, "envd closed the stream without an exit status")
-    finally:
-        with trio.CancelScope(shield=True):
-            await resp.aclose()
+    async with await envd.start_process({"process": config, "stdin": False}) as stream:
+        async for event in stream:
+            if "start" in event and on_start is not None:
+                on_start(int(event["start"].get("pid", 0)))
+            elif "data" in event:
+                for name in ("stdout", "stderr", "pty"):
+                    data = event["data"].get(name)
+                    if data:
+                        lines.feed(name, data)
+            elif "end" in event:
+                lines.flush()
+                end = event["end"]
+                status = str(end.get("status", ""))
+                code = int(end.get("exit_code", 0)) if end.get("exited", False) else -1
+                return code, status
+    how = "ended" if stream.complete else "closed"
+    raise cn.ConnectError(cn.Code.UNKNOWN, f"envd {how} the stream without an exit status")
 
 
 class Builds:
