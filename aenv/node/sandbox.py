@@ -786,6 +786,11 @@ class SandboxActor:
                 return True
         return False
 
+    @property
+    def upper(self) -> Path | None:
+        """The running period's writable upper directory (None while paused)."""
+        return self._upper
+
     def layer_ids(self) -> set[str]:
         """Layers this sandbox stands on or captured last (garbage collection keeps them)."""
         live = set(self.stack.ids())

@@ -434,7 +434,8 @@ class LocalSandboxService:
     async def metrics(self, sandbox_id: str) -> SandboxMetrics:
         actor = self._actor(sandbox_id)
         usage: Usage = await _ask(actor, GetUsage())
-        disk = await trio.to_thread.run_sync(_dir_size, actor.workdir / "disk" / "upper")
+        upper = actor.upper
+        disk = 0 if upper is None else await trio.to_thread.run_sync(_dir_size, upper)
         return SandboxMetrics(
             timestamp=time.time(),
             cpu_count=actor.cpu_count,

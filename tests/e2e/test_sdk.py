@@ -263,3 +263,15 @@ def test_private_traffic_needs_traffic_token(node: NodeProc) -> None:
         assert ok.status_code == 200
     finally:
         Sandbox.kill(sid)
+
+
+def test_metrics_count_what_the_sandbox_wrote(node: NodeProc) -> None:
+    s = Sandbox.create("base")
+    try:
+        s.commands.run("head -c 4194304 /dev/urandom > /home/user/blob")
+        m = s.get_metrics()[-1]
+        assert m.disk_used >= 4 * 1024 * 1024, m
+        assert m.disk_total > m.disk_used
+        assert m.mem_used > 0 and m.cpu_count >= 1
+    finally:
+        s.kill()
