@@ -25,7 +25,7 @@ from aenv.api.common import (
     read_body,
 )
 from aenv.node.service import SnapshotInfo
-from aenv.node.warm import is_internal
+from aenv.node.snapshots import is_internal
 from aenv.proto import requests as rq
 
 bp = Blueprint("snapshots", __name__)

@@ -28,22 +28,22 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import trio
 
+from aenv.images.service import Images
+from aenv.images.store import ImageRecord
 from aenv.node.envd_client import EnvdClient
 from aenv.node.sandbox import SandboxActor, Snapshot
+from aenv.node.snapshots import Snapshots
 from aenv.proto import connect as cn
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.pb import DecodeError
 from aenv.proto.requests import NewSandbox
 from aenv.runtimes.base import ENVD_PORT
-from aenv.storage.templates import Template, TemplateNotFound, new_template_id
-
-if TYPE_CHECKING:
-    from aenv.node.node import Node
+from aenv.storage.templates import Template, TemplateNotFound, TemplateStore, new_template_id
 
 log = logging.getLogger("aenv.builds")
 
@@ -209,10 +209,38 @@ async def run_in_sandbox(
     raise cn.ConnectError(cn.Code.UNKNOWN, f"envd {how} the stream without an exit status")
 
 
+class BuildHost(Protocol):
+    """What a build needs of the node (which is one): its stores and a few of its calls."""
+
+    templates: TemplateStore
+    snapshots: Snapshots
+    images: Images
+    durable: Sharing
+
+    async def create(self, req: NewSandbox) -> SandboxActor: ...
+
+    async def resolve_template(self, name: str) -> Template: ...
+
+    def image_template(
+        self,
+        record: ImageRecord,
+        name: str | None = None,
+        *,
+        cpu_count: int | None = None,
+        memory_mb: int | None = None,
+    ) -> Template: ...
+
+    async def collect_layers(self) -> None: ...
+
+
+class Sharing(Protocol):
+    def share_template(self, template: Template) -> None: ...
+
+
 class Builds:
     """The node's template builds, by build ID; each running build is a task in `nursery`."""
 
-    def __init__(self, node: Node, nursery: trio.Nursery) -> None:
+    def __init__(self, node: BuildHost, nursery: trio.Nursery) -> None:
         self.node = node
         self._nursery = nursery
         self._builds: OrderedDict[str, Build] = OrderedDict()

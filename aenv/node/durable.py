@@ -40,20 +40,22 @@ import logging
 import secrets
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from aenv.config import Config
 from aenv.images.objects import layer_key
+from aenv.images.service import Images
 from aenv.images.store import ImageNotPulled, ImageRecord
 from aenv.kit.faults import crash_point
-from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot
-from aenv.node.warm import is_internal
+from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot, Snapshots, is_internal
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imagetree import ImageTree, TreeError
 from aenv.proto.layerindex import BadIndex, LayerIndex
 from aenv.proto.layerindex import loads as load_index
-from aenv.storage.layers import LayerError
+from aenv.storage.layers import LayerError, LayerStore
+from aenv.storage.metadata import Metadata
 from aenv.storage.objstore import (
     ObjectNotFound,
     ObjectStore,
@@ -77,10 +79,12 @@ from aenv.storage.snapstore import (
     one_error,
     upload_snapshot,
 )
-from aenv.storage.templates import DEFAULT_TEMPLATE_IDS, Template, TemplateNotFound
-
-if TYPE_CHECKING:
-    from aenv.node.node import Node
+from aenv.storage.templates import (
+    DEFAULT_TEMPLATE_IDS,
+    Template,
+    TemplateNotFound,
+    TemplateStore,
+)
 
 log = logging.getLogger("aenv.durable")
 
@@ -104,11 +108,26 @@ WAIT_DURABLE_S = 600.0
 
 
 class Durable:
-    def __init__(self, node: Node, nursery: trio.Nursery) -> None:
-        self.node = node
-        url = node.config.effective_store_url
+    def __init__(
+        self,
+        *,
+        config: Config,
+        snapshots: Snapshots,
+        meta: Metadata,
+        layers: LayerStore,
+        templates: TemplateStore,
+        images: Images,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._config = config
+        self._snapshots = snapshots
+        self._meta = meta
+        self._layers = layers
+        self._templates = templates
+        self._images = images
+        url = config.effective_store_url
         self.store: ObjectStore | None = open_object_store(url) if url else None
-        self.grace_s = node.config.store_gc_grace_s
+        self.grace_s = config.store_gc_grace_s
         self._nursery = nursery
         self._uploads: dict[str, trio.CancelScope] = {}
         self._done: dict[str, trio.Event] = {}
@@ -119,8 +138,8 @@ class Durable:
         self._gc_lock = trio.Lock()
         self._serving: dict[str, trio.Lock] = {}
         self._gc_again = False
-        node.snapshots.storage_for = self._initial_storage
-        node.snapshots.on_delete = self._deleted
+        snapshots.storage_for = self._initial_storage
+        snapshots.on_delete = self._deleted
 
     # -- uploads -------------------------------------------------------------------
 
@@ -139,15 +158,15 @@ class Durable:
 
     async def resume(self) -> None:
         """Restart the uploads and template shares an earlier node process left unfinished."""
-        for doc in await self.node.snapshots.list():
+        for doc in await self._snapshots.list():
             if doc.get("storage") == "uploading":
                 if self.store is None:
-                    await self.node.snapshots.update(str(doc["snapshotID"]), storage="local")
+                    await self._snapshots.update(str(doc["snapshotID"]), storage="local")
                     continue
                 log.info("resuming the upload of snapshot %s", doc["snapshotID"])
                 self.spawn(doc)
         if self.store is not None:  # after the uploads: a built template waits for its snapshot
-            for template in await trio.to_thread.run_sync(self.node.templates.share_pending):
+            for template in await trio.to_thread.run_sync(self._templates.share_pending):
                 log.info("resuming the share of template %s", template.template_id)
                 self.share_template(template)
 
@@ -157,7 +176,7 @@ class Durable:
         try:
             with scope:
                 while True:
-                    doc = await self.node.meta.run(self.node.meta.store.get_snapshot, snap_id)
+                    doc = await self._meta.run(self._meta.store.get_snapshot, snap_id)
                     if doc is None:
                         return  # deleted
                     try:
@@ -175,17 +194,17 @@ class Durable:
                             delay,
                             exc,
                         )
-                        await self.node.snapshots.update(snap_id, storageError=str(exc))
+                        await self._snapshots.update(snap_id, storageError=str(exc))
                         await trio.sleep(delay)
                         delay = min(RETRY_MAX_S, delay * 2)
                         continue
                     except (OSError, LayerError) as exc:
                         log.error("snapshot %s cannot be uploaded: %r", snap_id, exc)
-                        await self.node.snapshots.update(
+                        await self._snapshots.update(
                             snap_id, storage="local", storageError=f"cannot upload: {exc}"
                         )
                         return
-                    await self.node.snapshots.update(
+                    await self._snapshots.update(
                         snap_id,
                         storage="durable",
                         storageError=None,
@@ -218,14 +237,14 @@ class Durable:
 
     async def _upload_once(self, doc: dict[str, Any]) -> Any:
         assert self.store is not None
-        layers = self.node.layers
+        layers = self._layers
         stack = []
         for lid in doc.get("layers") or ():
             layer = await trio.to_thread.run_sync(layers.get, str(lid))
             stored = await trio.to_thread.run_sync(layers.stored_index, layer.id)
             stack.append(LocalLayer(id=layer.id, below=layer.below, tree=layer.path, index=stored))
         image = Path(doc["image"]) if doc.get("image") else None
-        bases = image_bases(doc, await self.node.snapshots.list()) if image is not None else []
+        bases = image_bases(doc, await self._snapshots.list()) if image is not None else []
         return await upload_snapshot(
             self.store,
             snapshot_id=str(doc["snapshotID"]),
@@ -246,7 +265,7 @@ class Durable:
         with trio.move_on_after(within_s):
             while True:
                 ev = self._done.setdefault(snap_id, trio.Event())
-                doc = await self.node.meta.run(self.node.meta.store.get_snapshot, snap_id)
+                doc = await self._meta.run(self._meta.store.get_snapshot, snap_id)
                 if doc is None:
                     raise CorruptSnapshot(f"snapshot {snap_id} was deleted")
                 if doc.get("storage") != "uploading" or snap_id not in self._uploads:
@@ -266,7 +285,7 @@ class Durable:
 
     async def _share_template(self, template: Template) -> None:
         assert self.store is not None
-        templates = self.node.templates
+        templates = self._templates
         await trio.to_thread.run_sync(templates.mark_share_pending, template.template_id, True)
         if template.snapshot_id is not None:  # a built template: its snapshot first
             while True:
@@ -286,7 +305,7 @@ class Durable:
         while True:
             try:
                 if template.image_key is not None:
-                    images = self.node.images.store
+                    images = self._images.store
                     with contextlib.suppress(ImageNotPulled):
                         record = await trio.to_thread.run_sync(images.record, template.image_key)
                         body = json.dumps(record.to_json()).encode()
@@ -354,7 +373,7 @@ class Durable:
         assert self.store is not None
         image = doc.get("image")
         if isinstance(image, dict) and isinstance(image.get("key"), str):
-            images = self.node.images.store
+            images = self._images.store
             key = str(image["key"])
             try:
                 await trio.to_thread.run_sync(images.record, key)
@@ -372,7 +391,7 @@ class Durable:
                         f"image {key[:12]} is not usable: {exc}"
                     ) from None
                 await trio.to_thread.run_sync(images.adopt, record, indexes)
-        return await trio.to_thread.run_sync(self.node.templates.adopt, raw)
+        return await trio.to_thread.run_sync(self._templates.adopt, raw)
 
     # -- restores ------------------------------------------------------------------
 
@@ -387,7 +406,7 @@ class Durable:
             except InvalidName:
                 return None  # an image reference, say: never a stored name
             try:
-                await trio.to_thread.run_sync(self.node.templates.resolve, name_or_id)
+                await trio.to_thread.run_sync(self._templates.resolve, name_or_id)
                 return None  # a template of that name wins
             except (TemplateNotFound, InvalidName):
                 pass
@@ -417,7 +436,7 @@ class Durable:
         """`doc` if its layers and image are all on disk, else a restored copy of it
         (a new record, whose memory image was verified as it came from the store)."""
         snap_id = str(doc["snapshotID"])
-        snapshots, layers = self.node.snapshots, self.node.layers
+        snapshots, layers = self._snapshots, self._layers
         gaps = await trio.to_thread.run_sync(snapshots.local_gaps, doc, layers.layers_dir)
         if not gaps:
             return doc
@@ -425,7 +444,7 @@ class Durable:
             raise CorruptSnapshot(f"snapshot {snap_id} lacks {', '.join(gaps)} on this node")
         lock = self._restoring.setdefault(snap_id, trio.Lock())
         async with lock:
-            local = await self.node.meta.run(self.node.meta.store.get_snapshot, snap_id)
+            local = await self._meta.run(self._meta.store.get_snapshot, snap_id)
             if local is not None and not await trio.to_thread.run_sync(
                 snapshots.local_gaps, local, layers.layers_dir
             ):
@@ -447,7 +466,7 @@ class Durable:
 
     async def _restore(self, m: Manifest, template: Template) -> dict[str, Any]:
         assert self.store is not None
-        layers, snapshots = self.node.layers, self.node.snapshots
+        layers, snapshots = self._layers, self._snapshots
         present = await trio.to_thread.run_sync(layers.ids)
         staged: list[tuple[Path, Any]] = []
         lazy: list[StoredLayer] = []
@@ -458,7 +477,7 @@ class Durable:
             for sl in m.layers:
                 if sl.id in present:
                     continue
-                if self.node.config.lazy_restore:
+                if self._config.lazy_restore:
                     lazy.append(sl)
                 else:
                     staged.append((await trio.to_thread.run_sync(layers.new_staging), sl))
@@ -529,7 +548,7 @@ class Durable:
 
     async def _serve_lazy(self, layer_id: str, digest: str, raw: bytes, index: LayerIndex) -> Path:
         """Show a stored layer's index raw on the image mount (once); its directory there."""
-        images = self.node.images
+        images = self._images
         key = LAZY_KEY_PREFIX + layer_id
         lock = self._serving.setdefault(key, trio.Lock())
         async with lock:
@@ -548,7 +567,7 @@ class Durable:
     async def serve_lazy_layers(self) -> None:
         """At start: serve again the layers an earlier process restored on demand and
         had not copied to disk yet (before any sandbox mounts them), and copy them."""
-        layers = self.node.layers
+        layers = self._layers
         for layer_id in sorted(await trio.to_thread.run_sync(layers.lazy_ids)):
             raw = await trio.to_thread.run_sync(layers.stored_index, layer_id)
             try:
@@ -566,8 +585,8 @@ class Durable:
         """Copy a layer served on demand to local disk, retrying while the store fails;
         then its open-from-now-on files are read from disk, not through the store."""
         assert self.store is not None
-        layers, images = self.node.layers, self.node.images
-        await trio.sleep(self.node.config.lazy_materialise_after_s)
+        layers, images = self._layers, self._images
+        await trio.sleep(self._config.lazy_materialise_after_s)
         delay = RETRY_BASE_S
         while True:
             try:

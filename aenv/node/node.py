@@ -134,9 +134,17 @@ class Node:
         # sandboxes found dead at a restart: {id: what happened}, answered for a while
         self.lost: dict[str, str] = {}
         self.builds = Builds(self, nursery)  # template builds (aenv.node.builds)
-        self.durable = Durable(self, nursery)  # object store uploads (aenv.node.durable)
-        self.warmer = Warmer(self, nursery, enabled=config.warm_templates)
-        self.pool = Pool(self, nursery, size=config.pool_size)
+        self.durable = Durable(  # object store uploads (aenv.node.durable)
+            config=config,
+            snapshots=self.snapshots,
+            meta=self.meta,
+            layers=self.layers,
+            templates=templates,
+            images=images,
+            nursery=nursery,
+        )
+        self.warmer = Warmer(self.snapshots, self, nursery, enabled=config.warm_templates)
+        self.pool = Pool(self.snapshots, self, nursery, size=config.pool_size)
         self._verified: set[str] = set()  # snapshots whose images were checked
         self.metrics = Registry()
         self.m_created = self.metrics.counter("aenv_sandboxes_created_total", "Sandboxes created")
@@ -480,6 +488,23 @@ class Node:
     def _check_capacity(self) -> None:
         if len(self._sandboxes) >= self.config.max_sandboxes:
             raise Busy("node (sandbox limit reached)", retry_after=5.0)
+
+    async def boot_hidden(self, template: Template, *, timeout_s: int) -> SandboxActor:
+        """A hidden sandbox of the node's own booted from `template` (`Launcher`)."""
+        req = NewSandbox(template=template.template_id, timeout_s=timeout_s)
+        actor = SandboxActor(self, ids.new_sandbox_id(self.config.node_tag), template, req)
+        actor.hidden = True
+        return await self._launch(actor)
+
+    async def restore_hidden(
+        self, doc: dict[str, Any], template: Template, *, timeout_s: int, pooled: bool = False
+    ) -> SandboxActor:
+        """A hidden sandbox of the node's own restored from `doc` (`Launcher`)."""
+        req = NewSandbox(template=template.template_id, timeout_s=timeout_s)
+        actor = await self.restorer(doc, req, template=template)
+        actor.hidden = True
+        actor.pooled = pooled
+        return await self._launch(actor)
 
     async def _launch(self, actor: SandboxActor) -> SandboxActor:
         """Register `actor` and start it in the node's nursery; returns once it is ready."""

@@ -16,18 +16,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import trio
 
+from aenv.node.launcher import Launcher
 from aenv.node.sandbox import SandboxActor
-from aenv.node.warm import snapshot_name
+from aenv.node.snapshots import Snapshots, snapshot_name
 from aenv.proto import lifecycle as lc
-from aenv.proto.requests import NewSandbox
 from aenv.storage.templates import Template
-
-if TYPE_CHECKING:
-    from aenv.node.node import Node
 
 log = logging.getLogger("aenv.pool")
 
@@ -36,8 +32,11 @@ MEMBER_TIMEOUT_S = 24 * 3600
 
 
 class Pool:
-    def __init__(self, node: Node, nursery: trio.Nursery, *, size: int) -> None:
-        self.node = node
+    def __init__(
+        self, snapshots: Snapshots, launcher: Launcher, nursery: trio.Nursery, *, size: int
+    ) -> None:
+        self._snapshots = snapshots
+        self._launcher = launcher
         self.size = max(0, size)
         self._nursery = nursery
         self._ready: dict[str, collections.deque[SandboxActor]] = {}
@@ -96,13 +95,12 @@ class Pool:
         try:
             while self._hot(key):
                 while len(queue) < self.size and self._hot(key):
-                    doc = await self.node.snapshots.resolve(key)
+                    doc = await self._snapshots.resolve(key)
                     if doc is None:
                         return
-                    req = NewSandbox(template=template.template_id, timeout_s=MEMBER_TIMEOUT_S)
-                    actor = await self.node.restorer(doc, req, template=template)
-                    actor.hidden = actor.pooled = True
-                    await self.node._launch(actor)
+                    actor = await self._launcher.restore_hidden(
+                        doc, template, timeout_s=MEMBER_TIMEOUT_S, pooled=True
+                    )
                     await actor.freeze_pooled()
                     queue.append(actor)
                 wake = self._wake[key] = trio.Event()

@@ -30,9 +30,25 @@ from typing import Any
 import trio
 
 from aenv.storage.metadata import Metadata
+from aenv.storage.templates import Template
 
 SNAPSHOT_PREFIX = "snap-"
 _ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+# Names of templates' own snapshots (`aenv.node.warm`); callers cannot give
+# names starting with "~", so these never collide with a user's.
+TEMPLATE_PREFIX = "~template/"
+
+
+def snapshot_name(template: Template) -> str:
+    """The name of `template`'s own memory snapshot (for this build of it)."""
+    return f"{TEMPLATE_PREFIX}{template.template_id}@{template.build_id}"
+
+
+def is_internal(doc: dict[str, Any]) -> bool:
+    """Whether a snapshot record is a template's own (hidden from listings)."""
+    return any(str(n).startswith(TEMPLATE_PREFIX) for n in doc.get("names") or ())
 
 
 class CorruptSnapshot(Exception):

@@ -22,34 +22,32 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from aenv.node.sandbox import SandboxActor, Snapshot
-from aenv.proto import ids
-from aenv.proto.requests import NewSandbox
+from aenv.node.sandbox import Snapshot
+from aenv.node.snapshots import Snapshots, is_internal, snapshot_name
 from aenv.storage.templates import Template
 
 if TYPE_CHECKING:
-    from aenv.node.node import Node
+    from aenv.node.launcher import Launcher
+    from aenv.node.sandbox import SandboxActor
 
 log = logging.getLogger("aenv.warm")
 
-PREFIX = "~template/"
 RETRY_AFTER_S = 300.0
 WARM_TIMEOUT_S = 600
 CAPTURE_TIMEOUT_S = 300.0
 
 
-def snapshot_name(template: Template) -> str:
-    return f"{PREFIX}{template.template_id}@{template.build_id}"
-
-
-def is_internal(doc: dict[str, Any]) -> bool:
-    """Whether a snapshot record is a template's own (hidden from listings)."""
-    return any(str(n).startswith(PREFIX) for n in doc.get("names") or ())
-
-
 class Warmer:
-    def __init__(self, node: Node, nursery: trio.Nursery, *, enabled: bool = True) -> None:
-        self.node = node
+    def __init__(
+        self,
+        snapshots: Snapshots,
+        launcher: Launcher,
+        nursery: trio.Nursery,
+        *,
+        enabled: bool = True,
+    ) -> None:
+        self._snapshots = snapshots
+        self._launcher = launcher
         self.enabled = enabled
         self._nursery = nursery
         self._warming: set[str] = set()
@@ -59,7 +57,7 @@ class Warmer:
         """The template's snapshot if there is one; else start making it, and None."""
         if not self.enabled or template.snapshot_id is not None:
             return None
-        doc = await self.node.snapshots.resolve(snapshot_name(template))
+        doc = await self._snapshots.resolve(snapshot_name(template))
         if doc is None:
             self._start(template)
         return doc
@@ -74,14 +72,10 @@ class Warmer:
 
     async def _warm(self, template: Template) -> None:
         name = snapshot_name(template)
-        node = self.node
         actor: SandboxActor | None = None
         started = time.monotonic()
         try:
-            req = NewSandbox(template=template.template_id, timeout_s=WARM_TIMEOUT_S)
-            actor = SandboxActor(node, ids.new_sandbox_id(node.config.node_tag), template, req)
-            actor.hidden = True
-            await node._launch(actor)
+            actor = await self._launcher.boot_hidden(template, timeout_s=WARM_TIMEOUT_S)
             await actor.mailbox.ask(Snapshot(name, memory=True), timeout=CAPTURE_TIMEOUT_S)
             log.info(
                 "template %s is now a snapshot (%.1fs); its sandboxes restore",
@@ -98,6 +92,6 @@ class Warmer:
 
     async def forget(self, template_id: str) -> None:
         """Delete every snapshot a template's sandboxes were restored from."""
-        for doc in await self.node.snapshots.list():
+        for doc in await self._snapshots.list():
             if is_internal(doc) and doc.get("templateID") == template_id:
-                await self.node.snapshots.delete(str(doc["snapshotID"]))
+                await self._snapshots.delete(str(doc["snapshotID"]))
