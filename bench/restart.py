@@ -12,9 +12,9 @@ parallel), and counting the sandboxes the restarted node no longer lists
 1. **kill -9**: SIGKILL, then start;
 2. **graceful**: SIGTERM (the stop writes the paused ones to disk), then start.
 
-The baseline, in the same run, is the start of the same node with nothing to
-take back (an empty journal: stop with `AENV_ON_STOP=stop` first is not
-needed; a fresh home). Each restart is also measured for the paused ones:
+The baselines, in the same run: the start of the same node with nothing to
+take back (a fresh home), and the same round of commands on the running
+sandboxes before any restart. Each restart is also measured for the paused ones:
 a sample of `--resume-sample` of them is resumed and runs a command. The
 pause latency (the `POST /pause` answer, frozen in memory) is printed as
 p50/p95 from the setup. Results go to bench/results/restart-<timestamp>.json.
@@ -202,6 +202,10 @@ def main() -> int:
         result["setup_create_s"] = round(time.perf_counter() - t0, 1)
         running, paused = made[: args.running], made[args.running :]
         result["pause_s"] = stats([node.pause(sb["sandboxID"]) for sb in paused])
+        # the same round of commands with no restart: what "all answer" costs anyway
+        t0 = time.perf_counter()
+        _answer_all(node, running, args.workers)
+        result["baseline_all_answer_s"] = round(time.perf_counter() - t0, 3)
         for name, how in (("kill-9", signal.SIGKILL), ("graceful", signal.SIGTERM)):
             result[name] = _restart(node, how, running, paused, args)
     finally:
@@ -231,6 +235,9 @@ def _print(r: dict[str, Any]) -> None:
     a = r["args"]
     print(f"\nrestart with {a['running']} running and {a['paused']} paused ({a['template']})")
     print(f"  baseline: empty node to /health         {r['baseline_api_s']:.2f} s")
+    print(
+        f"  baseline: every running sandbox answers, no restart  {r['baseline_all_answer_s']:.2f} s"
+    )
     p = r["pause_s"]
     print(
         f"  pause (frozen), p50 / p95               {p['p50'] * 1000:.0f} / {p['p95'] * 1000:.0f} ms"
