@@ -242,7 +242,8 @@ class Node:
         shown = [a for a in self._sandboxes.values() if not a.hidden]
         return sorted(shown, key=lambda a: (a.started_at, a.sandbox_id))
 
-    def _forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
+    def forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
+        """Take `actor` out of the table as its task ends (`SandboxHost`)."""
         if self._sandboxes.get(actor.sandbox_id) is actor:
             del self._sandboxes[actor.sandbox_id]
             if not keep_files:

@@ -25,11 +25,12 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import trio
 
+from aenv.config import Config
 from aenv.kit import tcpstate
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree
@@ -37,15 +38,13 @@ from aenv.kit.mailbox import Mailbox, Request
 from aenv.proto import lifecycle as lc
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import NewSandbox
-from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
-from aenv.runtimes.netns import NetSlot
+from aenv.runtimes.base import ENVD_PORT, RunningSandbox, Runtime, SandboxSpec, Usage
+from aenv.runtimes.netns import HostNetwork, NetSlot
 from aenv.storage.bundle import envd_command
-from aenv.storage.layers import Captured, LayerStack
+from aenv.storage.layers import Captured, LayerStack, LayerStore
+from aenv.storage.metadata import Metadata
 from aenv.storage.overlay import adopt_writable_root, open_writable_root, unmount_root
 from aenv.storage.templates import Template
-
-if TYPE_CHECKING:
-    from aenv.node.node import Node
 
 log = logging.getLogger("aenv.sandbox")
 
@@ -213,8 +212,39 @@ class LogEntry:
     fields: dict[str, str] = field(default_factory=dict)
 
 
+class SandboxHost(Protocol):
+    """What a sandbox actor needs of the node that owns it (the node is one)."""
+
+    config: Config
+    runtime: Runtime
+    network: HostNetwork
+    layers: LayerStore
+    meta: Metadata
+
+    def forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
+        """Take the actor out of the node's table (its task is ending)."""
+        ...
+
+    async def collect_layers(self) -> None: ...
+
+    def spawn_forks(
+        self, parent: SandboxActor, image: Path, stack: LayerStack, fork: Fork, req: Request[Any]
+    ) -> None: ...
+
+    def spawn_snapshot(
+        self,
+        source: SandboxActor,
+        image: Path | None,
+        stack: LayerStack,
+        msg: Snapshot,
+        req: Request[Any],
+    ) -> None: ...
+
+
 class SandboxActor:
-    def __init__(self, node: Node, sandbox_id: str, template: Template, req: NewSandbox) -> None:
+    def __init__(
+        self, node: SandboxHost, sandbox_id: str, template: Template, req: NewSandbox
+    ) -> None:
         self.node = node
         self.sandbox_id = sandbox_id
         self.template = template
@@ -398,7 +428,7 @@ class SandboxActor:
             if self.lifecycle.can(lc.Stopped()):
                 self.lifecycle.step(lc.Stopped())
             self.mailbox.close()
-            node._forget(self, keep_files=keep)
+            node.forget(self, keep_files=keep)
             with trio.CancelScope(shield=True):
                 await node.collect_layers()
             self.stopped.set()
@@ -898,7 +928,9 @@ class SandboxActor:
                 log.exception("removing the record of sandbox %s failed", self.sandbox_id)
 
     @classmethod
-    def from_journal(cls, node: Node, template: Template, doc: dict[str, Any]) -> SandboxActor:
+    def from_journal(
+        cls, node: SandboxHost, template: Template, doc: dict[str, Any]
+    ) -> SandboxActor:
         """A sandbox an earlier node process journaled (`_journal`): one paused
         comes back paused, from its image; a running or frozen one is taken
         back with its runtime, mount and network slot."""
@@ -955,7 +987,7 @@ class SandboxActor:
     @classmethod
     def from_snapshot(
         cls,
-        node: Node,
+        node: SandboxHost,
         sandbox_id: str,
         template: Template,
         req: NewSandbox,
