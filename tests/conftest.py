@@ -10,7 +10,9 @@ check: no runsc process, netns, veth, nft table or mount of that node remains.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -32,6 +34,42 @@ REPO = Path(__file__).resolve().parent.parent
 # Overridable so two test runs on one machine never share network state.
 NET_PREFIX = os.environ.get("AENV_TEST_NET_PREFIX", "aenvs")
 SLOT_CIDR = os.environ.get("AENV_TEST_SLOT_CIDR", "10.233.0.0/16")
+
+
+def _dead_mounts_under(root: Path) -> list[Path]:
+    """Mount points below `root` whose file system no longer answers (a FUSE
+    daemon killed with its node)."""
+    dead: list[Path] = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        fstype = fields[fields.index("-") + 1]
+        if not fstype.startswith("fuse"):
+            continue
+        path = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+        if not path.is_relative_to(root):
+            continue
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ENOTCONN:
+                dead.append(path)
+    return dead
+
+
+def _detach_dead_mounts() -> None:
+    """A test that kills a node (or an earlier run that was itself killed)
+    can leave a dead FUSE mount under the temp dir; pytest's removal of old
+    temp dirs then fails on it. Detach them: they serve nothing."""
+    for path in sorted(_dead_mounts_under(Path(tempfile.gettempdir())), reverse=True):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _detach_dead_mounts()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _detach_dead_mounts()
 
 
 def free_port() -> int:
