@@ -46,13 +46,14 @@ import json
 import os
 import stat
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from aenv.kit.errors import one_error
 from aenv.kit.files import fsync_tree
 from aenv.proto import pagemap
 from aenv.proto.layerindex import (
@@ -433,25 +434,6 @@ def finish_tree(index: LayerIndex, tree: Path) -> None:
 
 
 # -- uploading ----------------------------------------------------------------------
-
-
-def _leaves(eg: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in eg.exceptions:
-        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
-
-
-@contextlib.contextmanager
-def one_error() -> Iterator[None]:
-    """Let the first real failure of a nursery of parallel transfers out on its own."""
-    try:
-        yield
-    except BaseExceptionGroup as eg:
-        real = [e for e in _leaves(eg) if not isinstance(e, trio.Cancelled)]
-        if not real:
-            raise
-        raise real[0] from None
 
 
 @dataclass(frozen=True, kw_only=True)
