@@ -31,6 +31,7 @@ import trio_websocket
 from aenv.client.config import Credentials
 from aenv.client.errors import CliError, ProtocolViolation, ServerError, Unreachable, from_status
 from aenv.client.terminal import DetachFilter, raw_mode, window_size
+from aenv.kit.errors import first_leaf, sole_leaf
 
 CH_STDIN = 0
 CH_STDOUT = 1
@@ -107,21 +108,7 @@ class _LocalSignal(Exception):
 
 def single_error(group: BaseExceptionGroup[Any]) -> BaseException:
     """The one meaningful exception inside a (nested) group, else the group."""
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for sub in e.exceptions:
-                walk(sub)
-        else:
-            leaves.append(e)
-
-    walk(group)
-    for kind in (_Detached, _LocalSignal, CliError):
-        for leaf in leaves:
-            if isinstance(leaf, kind):
-                return leaf
-    return leaves[0] if len(leaves) == 1 else group
+    return first_leaf(group, _Detached, _LocalSignal, CliError) or sole_leaf(group) or group
 
 
 def _ws_target(url: str, sandbox_id: str) -> tuple[str, int, str, bool | ssl.SSLContext]:

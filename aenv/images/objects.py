@@ -34,6 +34,7 @@ from typing import Protocol
 import trio
 
 from aenv.kit.files import write_atomic
+from aenv.kit.retry import Backoff
 from aenv.proto import layerindex
 from aenv.proto.layerindex import Chunk, LayerIndex
 
@@ -52,8 +53,7 @@ log = logging.getLogger("aenv.images")
 
 LAYER_PREFIX = "images/layers"
 PENDING_LAYER_PREFIX = "images/pending"
-RETRY_BASE_S = 0.5
-RETRY_MAX_S = 10.0
+UPLOAD_BACKOFF = Backoff(base_s=0.5, max_s=10.0)  # between attempts of a layer's upload
 
 
 def _hex(digest: str) -> str:
@@ -178,7 +178,7 @@ class LayerUploads:
         await self._idle.wait()
 
     async def _run(self, digest: str) -> None:
-        delay = RETRY_BASE_S
+        delays = UPLOAD_BACKOFF.delays()
         try:
             while True:
                 try:
@@ -194,6 +194,7 @@ class LayerUploads:
                     return
                 except Exception as exc:
                     self._failures += 1
+                    delay = next(delays)
                     log.warning(
                         "upload of layer %s failed, retrying in %.1fs: %s",
                         digest[:19],
@@ -201,7 +202,6 @@ class LayerUploads:
                         exc,
                     )
                     await trio.sleep(delay)
-                    delay = min(RETRY_MAX_S, delay * 2)
         finally:
             self._running.discard(digest)
             if not self._running:

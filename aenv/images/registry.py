@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
+from aenv.kit.retry import Backoff, Retries
 from aenv.proto import oci
 from aenv.proto.imageref import DOCKER_HUB, ImageRef, is_loopback
 from aenv.proto.oci import Descriptor, ImageConfig, Manifest
@@ -102,9 +103,10 @@ class RetryPolicy:
     backoff_base: float = 0.5
     backoff_max: float = 8.0
 
-    def backoff(self, n: int, rng: random.Random) -> float:
-        d = min(self.backoff_max, self.backoff_base * 2.0**n)
-        return d / 2 + rng.uniform(0, d / 2)
+    def retries(self, rng: random.Random) -> Retries:
+        """A new budget for one request (or one stall of a download)."""
+        backoff = Backoff(base_s=self.backoff_base, max_s=self.backoff_max, jitter=0.5)
+        return Retries(backoff, attempts=self.attempts, rng=rng)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,10 +344,9 @@ class RegistryClient:
     ) -> httpx.Response:
         url = f"{ep.base}/v2/{ref.repository}/{path}"
         scope = f"repository:{ref.repository}:pull"
-        policy = self._config.retry
+        retries = self._config.retry.retries(self._rng)
         started = trio.current_time()
         authenticated = False
-        failures = 0
         while True:
             h = dict(headers)
             auth = self._auth_header(ep, scope)
@@ -382,16 +383,13 @@ class RegistryClient:
                     finally:
                         await resp.aclose()
                     raise self._http_error(ep, ref, status, body, what)
-            failures += 1
-            elapsed = trio.current_time() - started
-            if failures >= policy.attempts:
+            delay = retries.failed(server_s=wait)
+            if delay is None:
+                elapsed = trio.current_time() - started
                 raise RegistryUnavailable(
                     f"registry {ep.host} unavailable for {what}: {problem} "
-                    f"({failures} attempts over {elapsed:.1f}s)"
+                    f"({retries.failures} attempts over {elapsed:.1f}s)"
                 )
-            delay = policy.backoff(failures - 1, self._rng)
-            if wait is not None:
-                delay = max(delay, min(wait, policy.backoff_max))
             log.info("%s from %s: %s; retrying in %.1fs", what, ep.host, problem, delay)
             await trio.sleep(delay)
 
@@ -429,8 +427,7 @@ class RegistryClient:
         if challenge.service:
             params["service"] = challenge.service
         auth = httpx.BasicAuth(*ep.creds) if ep.creds is not None else None
-        policy = self._config.retry
-        failures = 0
+        retries = self._config.retry.retries(self._rng)
         while True:
             try:
                 resp = await self._http.get(challenge.realm, params=params, auth=auth)
@@ -457,12 +454,12 @@ class RegistryClient:
                 problem = f"HTTP {resp.status_code}"
                 if resp.status_code < 500 and resp.status_code != 429:
                     raise RegistryAuthError(f"token server {challenge.realm} answered {problem}")
-            failures += 1
-            if failures >= policy.attempts:
+            delay = retries.failed()
+            if delay is None:
                 raise RegistryUnavailable(
                     f"token server {challenge.realm} for {ep.host} unavailable: {problem}"
                 )
-            await trio.sleep(policy.backoff(failures - 1, self._rng))
+            await trio.sleep(delay)
 
     def _denied(self, ep: _Endpoint, ref: ImageRef, what: str) -> RegistryAuthError:
         if ep.creds is not None:
@@ -490,22 +487,21 @@ class RegistryClient:
         self, ref: ImageRef, path: str, accept: str, limit: int, what: str
     ) -> tuple[bytes, str]:
         """A whole small document (manifest, config) and its Content-Type."""
-        policy = self._config.retry
-        failures = 0
+        retries = self._config.retry.retries(self._rng)
         while True:
             resp = await self._get(ref, path, {"Accept": accept}, what)
             try:
                 body = await _read_limited(resp, limit, what)
                 return body, resp.headers.get("content-type", "")
             except httpx.TransportError as e:
-                failures += 1
-                if failures >= policy.attempts:
+                delay = retries.failed()
+                if delay is None:
                     raise RegistryUnavailable(
-                        f"reading {what} kept failing: {_describe(e)} ({failures} attempts)"
+                        f"reading {what} kept failing: {_describe(e)} ({retries.failures} attempts)"
                     ) from None
             finally:
                 await resp.aclose()
-            await trio.sleep(policy.backoff(failures - 1, self._rng))
+            await trio.sleep(delay)
 
     def _parse_manifest(self, raw: bytes, ctype: str, ref: ImageRef) -> Manifest | oci.Index:
         try:
@@ -544,7 +540,7 @@ class _BlobReader:
         self._resp: httpx.Response | None = None
         self._pieces: AsyncIterator[bytes] | None = None
         self._skip = 0  # bytes to drop when a server ignored our Range header
-        self._failures = 0
+        self._retries = client._config.retry.retries(client._rng)
         self._done = False
 
     @property
@@ -558,7 +554,6 @@ class _BlobReader:
         if self._size == 0:
             self._finish_check()
             return None
-        policy = self._client._config.retry
         while True:
             if self._pieces is None:
                 await self._open()
@@ -578,13 +573,12 @@ class _BlobReader:
                     return await self._accept(piece)
                 continue
             await self._close_response()
-            self._failures += 1
-            if self._failures >= policy.attempts:
+            delay = self._retries.failed()
+            if delay is None:
                 raise RegistryUnavailable(
                     f"download of {self._what} kept failing: {problem} ({self.offset} of "
-                    f"{self._size} bytes, {self._failures} attempts without progress)"
+                    f"{self._size} bytes, {self._retries.failures} attempts without progress)"
                 )
-            delay = policy.backoff(self._failures - 1, self._client._rng)
             log.info(
                 "%s: %s; resuming at byte %d in %.1fs", self._what, problem, self.offset, delay
             )
@@ -608,7 +602,7 @@ class _BlobReader:
         self._pieces = resp.aiter_raw()
 
     async def _accept(self, piece: bytes) -> bytes:
-        self._failures = 0  # progress: the retry budget is per stall, not per blob
+        self._retries.progressed()  # the retry budget is per stall, not per blob
         try:
             if len(piece) <= _INLINE_CPU_BYTES:
                 self._verifier.update(piece)

@@ -43,6 +43,7 @@ from aenv.images.cache import ChunkCache
 from aenv.images.convert import ChunkCutter, ConversionError, LayerConverter
 from aenv.images.objects import ChunkSink, ChunkStore, LayerOrphaned, LayerUploads, layer_key
 from aenv.images.registry import RegistryClient, RegistryError
+from aenv.kit.errors import first_leaf
 from aenv.kit.files import write_atomic
 from aenv.proto import layerindex
 from aenv.proto.imageref import ImageRef, InvalidReference, parse_reference
@@ -184,24 +185,6 @@ def host_platform() -> str:
     """The OCI platform of this machine ("linux/amd64", "linux/arm64")."""
     machine = platform_module.machine().lower()
     return f"linux/{_ARCHES.get(machine, machine)}"
-
-
-def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The error to report from a failed group of layer conversions.
-
-    The first pull error if there is one (the others are usually the same
-    cause, or cancellations it caused), else the group as it is.
-    """
-    for exc in _leaves(group):
-        if isinstance(exc, RegistryError | ConversionError):
-            return exc
-    return group
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
-    return [exc]
 
 
 def _hex(digest: str) -> str:
@@ -404,7 +387,9 @@ class ImageStore:
                     for i in range(len(resolved.layers)):
                         nursery.start_soon(one, i)
             except BaseExceptionGroup as group:
-                raise _first_error(group) from None
+                # the first pull error (the others are usually the same cause, or the
+                # cancellations it caused), else the group as it is
+                raise first_leaf(group, (RegistryError, ConversionError)) or group from None
         except (RegistryError, ConversionError) as exc:
             raise PullError(f"pulling {ref}: {exc}") from exc
         done = [ix for ix in indexes if ix is not None]

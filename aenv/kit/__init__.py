@@ -1,1 +1,2 @@
-"""trio building blocks with no other aenv imports: mailboxes, busy errors, metrics."""
+"""trio building blocks with no other aenv imports: mailboxes, busy errors, supervisors,
+retries with backoff, exception-group helpers, metrics, fault points."""

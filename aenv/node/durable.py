@@ -49,6 +49,7 @@ from aenv.images.objects import layer_key
 from aenv.images.service import Images
 from aenv.images.store import ImageNotPulled, ImageRecord
 from aenv.kit.faults import crash_point
+from aenv.kit.retry import Backoff
 from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot, Snapshots, is_internal
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imagetree import ImageTree, TreeError
@@ -172,7 +173,7 @@ class Durable:
 
     async def _upload(self, snap_id: str, scope: trio.CancelScope) -> None:
         assert self.store is not None
-        delay = RETRY_BASE_S
+        delays = Backoff(base_s=RETRY_BASE_S, max_s=RETRY_MAX_S).delays()
         try:
             with scope:
                 while True:
@@ -184,6 +185,7 @@ class Durable:
                             report = await self._upload_once(doc)
                         crash_point("upload.stored")
                     except StoreError as exc:
+                        delay = next(delays)
                         level = (
                             logging.WARNING if isinstance(exc, StoreUnavailable) else logging.ERROR
                         )
@@ -196,7 +198,6 @@ class Durable:
                         )
                         await self._snapshots.update(snap_id, storageError=str(exc))
                         await trio.sleep(delay)
-                        delay = min(RETRY_MAX_S, delay * 2)
                         continue
                     except (OSError, LayerError) as exc:
                         log.error("snapshot %s cannot be uploaded: %r", snap_id, exc)
@@ -301,7 +302,7 @@ class Durable:
                     )
                     return
                 await trio.sleep(RETRY_MAX_S)
-        delay = RETRY_BASE_S
+        delays = Backoff(base_s=RETRY_BASE_S, max_s=RETRY_MAX_S).delays()
         while True:
             try:
                 if template.image_key is not None:
@@ -315,8 +316,7 @@ class Durable:
                 break
             except StoreError as exc:
                 log.warning("sharing template %s failed, retrying: %s", template.template_id, exc)
-                await trio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
+                await trio.sleep(next(delays))
         try:  # deleted meanwhile: not in the store either
             await trio.to_thread.run_sync(templates.resolve, template.template_id)
         except TemplateNotFound:
@@ -587,7 +587,7 @@ class Durable:
         assert self.store is not None
         layers, images = self._layers, self._images
         await trio.sleep(self._config.lazy_materialise_after_s)
-        delay = RETRY_BASE_S
+        delays = Backoff(base_s=RETRY_BASE_S, max_s=RETRY_MAX_S).delays()
         while True:
             try:
                 layer = await trio.to_thread.run_sync(layers.get, layer_id)
@@ -619,9 +619,9 @@ class Durable:
                 log.error("layer %s cannot be copied to disk: %s", layer_id, exc)
                 return
             except (StoreError, SnapshotUnavailable, OSError) as exc:
+                delay = next(delays)
                 log.warning("copying layer %s failed, retrying in %.1fs: %s", layer_id, delay, exc)
                 await trio.sleep(delay)
-                delay = min(RETRY_MAX_S, delay * 2)
 
     # -- deletion and garbage collection --------------------------------------------------
 

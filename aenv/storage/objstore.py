@@ -20,8 +20,8 @@ own and land by atomic rename. On top sit content-addressed blobs:
 `put_blob` stores bytes or a file under `blobs/sha256/<2 hex>/<64 hex>` only
 when absent, so the same content is uploaded once, and `get_blob` /
 `download_blob` verify the sha256 of what they read. The pure parts (URL
-parsing, key rules, blob layout, error classification, backoff) are plain
-functions so they can be tested without a store.
+parsing, key rules, blob layout, error classification) are plain functions
+so they can be tested without a store; the backoff is `aenv.kit.retry`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import datetime as dt
 import enum
 import hashlib
 import os
-import random
 import re
 import secrets
 import urllib.parse
@@ -46,6 +45,8 @@ import obstore.exceptions as oe
 import trio
 from obstore.store import LocalStore
 from obstore.store import from_url as _obstore_from_url
+
+from aenv.kit.retry import Backoff, Retries
 
 T = TypeVar("T")
 
@@ -212,9 +213,11 @@ class RetryPolicy:
         if self.attempts < 1 or self.base_delay < 0 or self.max_delay < 0:
             raise ValueError(f"invalid retry policy {self}")
 
-    def delay(self, attempt: int, rand: float) -> float:
-        """Sleep before retry number `attempt` (0-based); `rand` in [0, 1)."""
-        return rand * min(self.max_delay, self.base_delay * 2.0**attempt)
+    def retries(self) -> Retries:
+        """A new budget for one operation: waits drawn from [0, d], d = min(max_delay,
+        base_delay * 2**n) before retry n (0-based)."""
+        backoff = Backoff(base_s=self.base_delay, max_s=self.max_delay, jitter=1.0)
+        return Retries(backoff, attempts=self.attempts)
 
 
 @dataclass(frozen=True)
@@ -380,7 +383,7 @@ class ObjectStore:
         self, op: str, key: str, fn: Callable[[], T], *, abandon_on_cancel: bool = False
     ) -> T:
         """Run `fn` in a worker thread, retrying transient failures within the policy."""
-        attempt = 0
+        retries = self._retry.retries()
         while True:
             self._stats.requests += 1
             try:
@@ -394,16 +397,15 @@ class ObjectStore:
                 kind = classify_error(exc)
                 if kind is ErrorKind.NOT_FOUND:
                     raise ObjectNotFound(key, self.where) from exc
-                if kind is ErrorKind.TRANSIENT and attempt + 1 < self._retry.attempts:
+                if kind is ErrorKind.TRANSIENT and (delay := retries.failed()) is not None:
                     self._stats.retries += 1
-                    await trio.sleep(self._retry.delay(attempt, random.random()))
-                    attempt += 1
+                    await trio.sleep(delay)
                     continue
                 self._stats.errors += 1
                 if kind is ErrorKind.TRANSIENT:
                     raise StoreUnavailable(
                         f"object store {self.where} unavailable: {op} {key!r} failed "
-                        f"after {attempt + 1} attempts: {error_summary(exc)}"
+                        f"after {retries.failures} attempts: {error_summary(exc)}"
                     ) from exc
                 raise StoreError(
                     f"object store {self.where}: {op} {key!r} failed: {error_summary(exc)}"

@@ -24,6 +24,7 @@ from aenv.images.cache import ChunkCache
 from aenv.images.objects import layer_key
 from aenv.images.registry import RegistryConfig, RetryPolicy, open_registry_client
 from aenv.images.store import ImageStore
+from aenv.kit.retry import Backoff
 from aenv.proto.layerindex import Entry
 from aenv.storage import snapstore
 from aenv.storage.objstore import ObjectStore, open_object_store
@@ -151,7 +152,7 @@ async def test_evicted_chunks_are_uploaded_and_fetched_back_from_the_store(
 async def test_a_pull_with_the_store_down_succeeds_and_uploads_later(
     registry: LocalRegistry, tmp_path: Path, s3_faulty: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(objects, "RETRY_MAX_S", 0.5)
+    monkeypatch.setattr(objects, "UPLOAD_BACKOFF", Backoff(base_s=0.5, max_s=0.5))
     img = push_small(registry, "down", seed=3)
     objs = open_object_store(
         s3_faulty.url(f"t/{secrets.token_hex(4)}"),

@@ -417,13 +417,13 @@ def test_check_key_accepts_only_clean_relative_paths(segments: list[str]) -> Non
             check_key(key)
 
 
-@given(st.integers(0, 60), st.floats(0, 1, exclude_max=True))
-def test_backoff_is_bounded_and_grows(attempt: int, rand: float) -> None:
-    policy = RetryPolicy(attempts=5, base_delay=0.2, max_delay=5.0)
-    delay = policy.delay(attempt, rand)
-    assert 0 <= delay <= 5.0
-    assert delay <= 0.2 * 2**attempt
-    assert policy.delay(attempt + 1, rand) >= delay
+def test_an_operation_waits_at_most_the_capped_backoff_then_gives_up() -> None:
+    retries = RetryPolicy(attempts=7, base_delay=0.2, max_delay=1.0).retries()
+    waits = [retries.failed() for _ in range(7)]
+    assert waits[-1] is None  # the 7th failure is the last attempt
+    for wait, cap in zip(waits[:-1], [0.2, 0.4, 0.8, 1.0, 1.0, 1.0], strict=True):
+        assert wait is not None
+        assert 0 <= wait <= cap
 
 
 def test_error_classification() -> None:

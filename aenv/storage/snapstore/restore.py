@@ -1,0 +1,198 @@
+"""Bringing a snapshot back from the store: layer trees and the memory image.
+
+`fetch_layer_index` reads a stored layer's index, `materialise_layer`
+builds the layer's tree from it (chunks fetched in parallel), and
+`download_image` reassembles the memory image's files from their chunks
+(manifest version 1) or page packs (version 2) and checks each against its
+sha256. Every blob read is verified against its digest; a missing, corrupt
+or malformed object raises `SnapshotUnavailable` naming the snapshot and
+the object. Callers stage into temporary directories and rename last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from aenv.kit.errors import one_error
+from aenv.kit.files import fsync_tree
+from aenv.proto import pagemap
+from aenv.proto.layerindex import CHUNK_SIZE, BadIndex, Chunk, LayerIndex, loads
+from aenv.storage.memimage import BadPack, open_pack, unpack_map, write_pages
+from aenv.storage.objstore import CorruptObject, ObjectNotFound, ObjectStore, blob_key
+from aenv.storage.snapstore.manifest import (
+    ImageFile,
+    Manifest,
+    SnapshotUnavailable,
+    StoredLayer,
+    unavailable,
+)
+from aenv.storage.snapstore.trees import build_skeleton, finish_tree, write_piece
+
+
+async def _blob(store: ObjectStore, snapshot_id: str, digest: str) -> bytes:
+    try:
+        return await store.get_blob(digest)
+    except ObjectNotFound as exc:
+        raise unavailable(snapshot_id, f"object {blob_key(digest)!r} is missing", exc) from None
+    except CorruptObject as exc:
+        raise unavailable(snapshot_id, f"object {blob_key(digest)!r} is corrupt", exc) from None
+
+
+async def fetch_layer_index(
+    store: ObjectStore, snapshot_id: str, layer: StoredLayer
+) -> tuple[bytes, LayerIndex]:
+    """A stored layer's index: the blob (verified) and what it says."""
+    raw = await _blob(store, snapshot_id, layer.index)
+    try:
+        return raw, await trio.to_thread.run_sync(loads, raw)
+    except BadIndex as exc:
+        raise unavailable(
+            snapshot_id, f"layer index {blob_key(layer.index)!r} is malformed", exc
+        ) from None
+
+
+async def materialise_layer(
+    store: ObjectStore,
+    snapshot_id: str,
+    layer: StoredLayer,
+    tree: Path,
+    *,
+    index: LayerIndex | None = None,
+    concurrency: int = 8,
+) -> int:
+    """Build `tree` (which must not exist) from the layer's index (fetched unless
+    given, e.g. kept from an earlier fetch); returns content bytes."""
+    if index is None:
+        _raw, index = await fetch_layer_index(store, snapshot_id, layer)
+    io = trio.CapacityLimiter(2)
+    try:
+        pieces = await trio.to_thread.run_sync(build_skeleton, index, tree, limiter=io)
+    except BadIndex as exc:
+        raise unavailable(snapshot_id, f"layer index {blob_key(layer.index)!r}", exc) from None
+    await _fill(store, snapshot_id, pieces, concurrency, io)
+    await trio.to_thread.run_sync(finish_tree, index, tree, limiter=io)
+    await trio.to_thread.run_sync(fsync_tree, tree, limiter=io)
+    return index.content_bytes
+
+
+async def _fill(
+    store: ObjectStore,
+    snapshot_id: str,
+    pieces: Sequence[tuple[Path, Chunk]],
+    concurrency: int,
+    io: trio.CapacityLimiter,
+) -> None:
+    sem = trio.Semaphore(concurrency)
+
+    async def one(path: Path, c: Chunk) -> None:
+        async with sem:
+            data = await _blob(store, snapshot_id, c.digest)
+        if len(data) != c.size:
+            raise SnapshotUnavailable(
+                f"snapshot {snapshot_id}: object {blob_key(c.digest)!r} has {len(data)} bytes, "
+                f"expected {c.size}"
+            )
+        await trio.to_thread.run_sync(write_piece, path, c.offset, data, limiter=io)
+
+    with one_error():
+        async with trio.open_nursery() as n:
+            for path, c in pieces:
+                n.start_soon(one, path, c)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(CHUNK_SIZE):
+            h.update(block)
+    return h.hexdigest()
+
+
+async def download_image(
+    store: ObjectStore, m: Manifest, dest: Path, *, concurrency: int = 8
+) -> dict[str, str]:
+    """Fetch the memory image into the new directory `dest`; returns its checksums."""
+    assert m.image is not None
+    io = trio.CapacityLimiter(2)
+    await trio.to_thread.run_sync(dest.mkdir)
+    pieces: list[tuple[Path, Chunk]] = []
+    paged: list[tuple[Path, pagemap.PageMap]] = []
+    for f in m.image:
+        path = dest / f.name
+
+        def create(path: Path = path, size: int = f.size) -> None:
+            with path.open("wb") as out:
+                out.truncate(size)
+
+        await trio.to_thread.run_sync(create, limiter=io)
+        if f.pagemap is not None:
+            paged.append((path, await _stored_map(store, m.snapshot_id, f)))
+            continue
+        offset = 0
+        for i, digest in enumerate(f.chunks):
+            size = min(CHUNK_SIZE, f.size - i * CHUNK_SIZE)
+            pieces.append((path, Chunk(digest, size, offset)))
+            offset += size
+    with one_error():
+        async with trio.open_nursery() as n:
+            n.start_soon(_fill, store, m.snapshot_id, pieces, concurrency, io)
+            for path, pmap in paged:
+                n.start_soon(_fill_pages, store, m.snapshot_id, path, pmap, concurrency, io)
+    sums: dict[str, str] = {}
+    for f in m.image:
+        actual = await trio.to_thread.run_sync(_file_sha256, dest / f.name, limiter=io)
+        if actual != f.sha256:
+            raise SnapshotUnavailable(
+                f"snapshot {m.snapshot_id}: image file {f.name} reassembled from the store "
+                "does not match its checksum"
+            )
+        sums[f.name] = actual
+    await trio.to_thread.run_sync(fsync_tree, dest, limiter=io)
+    return sums
+
+
+async def _stored_map(store: ObjectStore, snapshot_id: str, f: ImageFile) -> pagemap.PageMap:
+    assert f.pagemap is not None
+    raw = await _blob(store, snapshot_id, f.pagemap)
+    try:
+        pmap = await trio.to_thread.run_sync(unpack_map, raw)
+    except pagemap.BadPageMap as exc:
+        raise unavailable(
+            snapshot_id, f"page map {blob_key(f.pagemap)!r} of {f.name} is malformed", exc
+        ) from None
+    if pmap.size != f.size:
+        raise SnapshotUnavailable(
+            f"snapshot {snapshot_id}: page map {blob_key(f.pagemap)!r} describes "
+            f"{pmap.size} bytes, the manifest {f.size} for {f.name}"
+        )
+    return pmap
+
+
+async def _fill_pages(
+    store: ObjectStore,
+    snapshot_id: str,
+    path: Path,
+    pmap: pagemap.PageMap,
+    concurrency: int,
+    io: trio.CapacityLimiter,
+) -> None:
+    sem = trio.Semaphore(concurrency)
+
+    async def one(p: int, placements: list[tuple[int, int]]) -> None:
+        pack = pmap.packs[p]
+        async with sem:
+            data = await _blob(store, snapshot_id, pack.digest)
+        try:
+            raw = await trio.to_thread.run_sync(open_pack, data, pack, limiter=io)
+        except BadPack as exc:
+            raise unavailable(snapshot_id, f"pack {blob_key(pack.digest)!r}", exc) from None
+        await trio.to_thread.run_sync(write_pages, path, pmap, raw, placements, limiter=io)
+
+    with one_error():
+        async with trio.open_nursery() as n:
+            for p, placements in pmap.placements().items():
+                n.start_soon(one, p, placements)
