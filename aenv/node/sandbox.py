@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
-from aenv.kit import tcpstate
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree
 from aenv.kit.mailbox import Mailbox, Request
+from aenv.node.host import EnvdUnavailable
 from aenv.proto import lifecycle as lc
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import NewSandbox
@@ -39,7 +39,6 @@ from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
 from aenv.runtimes.netns import NetSlot
 from aenv.storage.bundle import envd_command
 from aenv.storage.layers import Captured, LayerStack
-from aenv.storage.overlay import adopt_writable_root, open_writable_root, unmount_root
 from aenv.storage.templates import Template
 
 if TYPE_CHECKING:
@@ -49,8 +48,6 @@ log = logging.getLogger("aenv.sandbox")
 
 ENVD_READY_TIMEOUT_S = 60.0
 LOG_LINES = 1000
-# control calls to envd leave no idle connection behind (a checkpoint would hold it)
-_CLOSE = {"Connection": "close"}
 # how long envd gets to close its side of the node's connections before a checkpoint
 _CLOSE_WAIT_S = 1.0
 
@@ -68,10 +65,6 @@ class SandboxNotRunning(Exception):
     def __init__(self, sandbox_id: str, state: lc.State) -> None:
         super().__init__(f"sandbox {sandbox_id} is {state.value}")
         self.state = state
-
-
-class EnvdUnavailable(Exception):
-    pass
 
 
 class PauseError(Exception):
@@ -404,7 +397,7 @@ class SandboxActor:
         first: bool,
     ) -> bool:
         """Run until stopped (returns True) or paused (returns False)."""
-        node = self.node
+        node, host = self.node, self.node.host
         adoption, self._adoption = self._adoption, None
         self._period = int(adoption["period"]) if adoption else self._period + 1
         disk = self.workdir / f"disk{self._period}"
@@ -412,14 +405,14 @@ class SandboxActor:
         async with AsyncExitStack() as period:
             try:
                 root = await period.enter_async_context(
-                    adopt_writable_root(disk)
+                    host.roots.adopt_root(disk)
                     if adoption
-                    else open_writable_root(self.stack.lowers(), disk)
+                    else host.roots.open_root(self.stack.lowers(), disk)
                 )
                 slot = await period.enter_async_context(
-                    node.network.adopt_slot(int(adoption["slot"]))
+                    host.network.adopt_slot(int(adoption["slot"]))
                     if adoption
-                    else node.network.open_slot(self.policy)
+                    else host.network.open_slot(self.policy)
                 )
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
@@ -440,11 +433,11 @@ class SandboxActor:
                 self._period_stack = period
                 self.http = await period.enter_async_context(_http_client())
                 if adoption:
-                    opener = node.runtime.open_adopted(spec, frozen=adoption["state"] == "frozen")
+                    opener = host.runtime.open_adopted(spec, frozen=adoption["state"] == "frozen")
                 elif image is None:
-                    opener = node.runtime.open_sandbox(spec)
+                    opener = host.runtime.open_sandbox(spec)
                 else:
-                    opener = node.runtime.open_restored(spec, image)
+                    opener = host.runtime.open_restored(spec, image)
                 self._runtime_stack = await period.enter_async_context(AsyncExitStack())
                 self._running = await self._runtime_stack.enter_async_context(opener)
                 if not adoption:
@@ -650,7 +643,7 @@ class SandboxActor:
         crash_point(f"{what}.captured")
         assert self._runtime_stack is not None
         await self._runtime_stack.aclose()
-        upper = await unmount_root(disk)
+        upper = await self.node.host.roots.unmount(disk)
         if behind is not None:  # its files too (the upper goes with the disk)
             self.stack = behind[1]
         else:
@@ -760,7 +753,7 @@ class SandboxActor:
         if (
             wait
             and self.sandbox_ip is not None
-            and not await tcpstate.wait_closed(self.sandbox_ip, within_s=_CLOSE_WAIT_S)
+            and not await self.node.host.envd.wait_closed(self.sandbox_ip, within_s=_CLOSE_WAIT_S)
         ):
             self._log("envd kept a connection open; capturing anyway", level="warn")
         if reopen:
@@ -984,19 +977,10 @@ class SandboxActor:
         return child
 
     async def _init_envd(self, *, resumed: bool = False) -> None:
-        assert self.sandbox_ip is not None
-        base = f"http://{self.sandbox_ip}:{ENVD_PORT}"
-        client = self.http
-        assert client is not None
+        address, client, envd = self.sandbox_ip, self.http, self.node.host.envd
+        assert address is not None and client is not None
         with trio.move_on_after(ENVD_READY_TIMEOUT_S) as scope:
-            while True:
-                try:
-                    r = await client.get(f"{base}/health", headers=_CLOSE, timeout=2.0)
-                    if r.status_code in (200, 204):
-                        break
-                except httpx.TransportError:
-                    pass
-                await trio.sleep(0.02)
+            await envd.wait_ready(client, address)
         if scope.cancelled_caught:
             tail = "\n".join(self.console_tail(20))
             raise EnvdUnavailable(f"envd did not start within {ENVD_READY_TIMEOUT_S:g}s: {tail}")
@@ -1011,10 +995,7 @@ class SandboxActor:
         }
         # after a resume envd already holds the token and wants it to re-init
         current = self._prior_token or self.envd_access_token
-        headers = {**_CLOSE, **({"X-Access-Token": current} if resumed else {})}
-        r = await client.post(f"{base}/init", json=body, headers=headers, timeout=10.0)
-        if r.status_code >= 300:
-            raise EnvdUnavailable(f"envd /init answered {r.status_code}: {r.text[:200]}")
+        await envd.init(client, address, body, token=current if resumed else None)
 
     async def _serve(self) -> None:
         assert self._running is not None
@@ -1165,7 +1146,7 @@ class SandboxActor:
 
     async def _set_network(self, policy: EgressPolicy) -> None:
         assert self._slot is not None
-        await self.node.network.set_policy(self._slot, policy)
+        await self.node.host.network.set_policy(self._slot, policy)
         self.policy = policy
         self._log("network policy updated")
 
