@@ -709,7 +709,6 @@ class SandboxActor:
             self._log(f"capture failed, still running: {exc!r}", level="error")
             if image is not None:
                 await trio.to_thread.run_sync(shutil.rmtree, image, True)
-                await trio.to_thread.run_sync(shutil.rmtree, image.with_suffix(".tmp"), True)
             req.fail(PauseError(f"capturing the sandbox failed: {exc}"))
             return
         what = f"a fork of {msg.count}" if isinstance(msg, Fork) else "a snapshot"
@@ -733,10 +732,15 @@ class SandboxActor:
         tmp = image.with_suffix(".tmp")
         await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
         tmp.mkdir(parents=True)
-        if frozen:
-            await self._running.checkpoint_frozen(tmp)
-        else:
-            await self._running.checkpoint(tmp, leave_running=leave_running)
+        try:
+            if frozen:
+                await self._running.checkpoint_frozen(tmp)
+            else:
+                await self._running.checkpoint(tmp, leave_running=leave_running)
+        except BaseException:  # a partial image is no use to anyone: it goes
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
+            raise
         tmp.rename(image)
 
     async def _close_connections(self, *, reopen: bool, wait: bool = True) -> None:

@@ -232,6 +232,8 @@ class FakeEnvd:
         self._network = network
         self.inits: list[Init] = []
         self.faults = Faults()  # "init": envd refuses the next /init
+        # False: envd never answers (a guest whose envd does not start)
+        self.answering = True
         # envd holds the node's connections open this long after they are closed
         self.close_delay_s = 0.0
 
@@ -243,7 +245,7 @@ class FakeEnvd:
         )
 
     async def wait_ready(self, client: httpx.AsyncClient, address: str) -> None:
-        while not self.running(address):  # noqa: ASYNC110 - envd is polled, as the real one is
+        while not (self.answering and self.running(address)):  # noqa: ASYNC110 - envd is polled, as the real one is
             await trio.sleep(0.5)
 
     async def init(

@@ -151,3 +151,9 @@ def crash(node: Node, fake: FakeHost) -> DiskAtCrash:
     shutil.copytree(node.config.sandboxes_dir, copy, symlinks=True)
     fake.crash()
     return DiskAtCrash(node.config, node.meta.store.list_sandboxes(), copy)
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Wait, without moving the clock by itself, until `predicate()` holds."""
+    while not predicate():
+        await trio.testing.wait_all_tasks_blocked()

@@ -156,20 +156,8 @@ class FakeSandbox:
         )
 
     async def checkpoint(self, image_dir: Path, *, leave_running: bool) -> None:
-        rt = self.runtime
-        rt._record("checkpoint", self)
-        rt.faults.check("checkpoint", self.sandbox_id)
-        if self.state is Guest.FROZEN:
-            await trio.sleep(rt.timings.checkpoint_s)
-            raise FakeCheckpointError(f"runsc checkpoint {self.sandbox_id} timed out: frozen")
-        self._require(Guest.RUNNING, Guest.PAUSED, op="checkpoint")
-        _make_image_dir(image_dir)
-        await trio.sleep(rt.timings.checkpoint_s)
-        self._require(Guest.RUNNING, Guest.PAUSED, op="checkpoint")
-        image = {"sandbox": self.sandbox_id, "memory_bytes": self.memory_bytes, "whole": True}
-        (image_dir / IMAGE_FILE).write_text(json.dumps(image))
-        if not leave_running:
-            self._exit(0)
+        self.runtime._record("checkpoint", self)
+        await self._checkpoint("checkpoint", image_dir, leave_running=leave_running)
 
     async def freeze(self) -> None:
         self.runtime._record("freeze", self)
@@ -188,10 +176,9 @@ class FakeSandbox:
 
     async def checkpoint_frozen(self, image_dir: Path) -> None:
         self.runtime._record("checkpoint_frozen", self)
-        self.runtime.faults.check("checkpoint_frozen", self.sandbox_id)
         self._require(Guest.FROZEN, Guest.PAUSED, op="checkpoint_frozen")
         self.state = Guest.PAUSED  # the cgroup freezer hands over to runsc pause
-        await self.checkpoint(image_dir, leave_running=True)
+        await self._checkpoint("checkpoint_frozen", image_dir, leave_running=True)
 
     @asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -207,6 +194,20 @@ class FakeSandbox:
                 self.state = Guest.RUNNING
 
     # -- helpers ------------------------------------------------------------------
+
+    async def _checkpoint(self, op: str, image_dir: Path, *, leave_running: bool) -> None:
+        """runsc checkpoint: it fails on a frozen sandbox only at its timeout."""
+        rt = self.runtime
+        if self.state is not Guest.FROZEN:
+            self._require(Guest.RUNNING, Guest.PAUSED, op=op)
+            _make_image_dir(image_dir)
+        await trio.sleep(rt.timings.checkpoint_s)
+        rt.faults.check(op, self.sandbox_id)
+        self._require(Guest.RUNNING, Guest.PAUSED, op=op)
+        image = {"sandbox": self.sandbox_id, "memory_bytes": self.memory_bytes, "whole": True}
+        (image_dir / IMAGE_FILE).write_text(json.dumps(image))
+        if not leave_running:
+            self._exit(0)
 
     def _require(self, *states: Guest, op: str) -> None:
         if self.state not in states:
