@@ -34,6 +34,7 @@ from aenv.images.store import ImageRecord
 from aenv.kit.faults import crash_point
 from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
+from aenv.kit.supervisor import RestartPolicy, StopToken, Strategy, Supervisor, run_supervisor
 from aenv.node import pressure
 from aenv.node.builds import Builds
 from aenv.node.durable import Durable
@@ -65,6 +66,12 @@ from aenv.storage.templates import (
 log = logging.getLogger("aenv.node")
 
 LAYER_GC_MIN_AGE_S = 60.0
+# The memory pressure watcher, restarted after 1, 2, 4, 8 and 16 s; a sixth failure
+# within 5 minutes leaves the node without it (logged), running on. (One per
+# node: no jitter, nothing to spread out.)
+WATCHER_RESTARTS = RestartPolicy(
+    max_restarts=5, window_s=300.0, backoff_base_s=1.0, backoff_max_s=30.0, jitter=0.0
+)
 
 
 class SandboxNotFound(LookupError):
@@ -134,6 +141,8 @@ class Node:
             max_memory_mb=_host_memory_mb(),
         )
         self._nursery = nursery
+        # the node's long-lived tasks (the memory pressure watcher), once started
+        self.services: Supervisor | None = None
         self._sandboxes: dict[str, SandboxActor] = {}
         # sandboxes found dead at a restart: {id: what happened}, answered for a while
         self.lost: dict[str, str] = {}
@@ -669,6 +678,22 @@ class Node:
         so it survives the restart like any other paused sandbox."""
         await self._hibernate([a for a in self._sandboxes.values() if a.frozen_pause], within_s)
 
+    async def watch_memory(self, stop: StopToken) -> None:
+        """Hibernate sandboxes paused in memory while the host runs short of it
+        (`aenv.node.pressure`), until stopped."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(
+                    pressure.watch,
+                    self.config.hibernate_memory_low_pct,
+                    self.frozen_sandboxes,
+                    self.hibernate_these,
+                    meminfo=self.host.meminfo,
+                )
+            )
+            await stop.wait()
+            nursery.cancel_scope.cancel()
+
     async def frozen_sandboxes(self) -> Sequence[pressure.Frozen]:
         """The sandboxes paused in memory, with the memory each holds (for `pressure`)."""
         from aenv.node.sandbox import GetUsage
@@ -786,15 +811,10 @@ async def open_node_on(
         await node.durable.serve_lazy_layers()  # before anything mounts them
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
+        node.services = await nursery.start(run_supervisor, "node")
         if config.hibernate_memory_low_pct > 0:
-            nursery.start_soon(
-                functools.partial(
-                    pressure.watch,
-                    config.hibernate_memory_low_pct,
-                    node.frozen_sandboxes,
-                    node.hibernate_these,
-                    meminfo=host.meminfo,
-                )
+            node.services.start_soon(
+                "memory-pressure", node.watch_memory, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
             )
         try:
             yield node

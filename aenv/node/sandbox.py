@@ -634,7 +634,7 @@ class SandboxActor:
             await self._journal("running")
             if self._hibernating:  # the caller heard "paused": stay paused, in memory
                 self._hibernating = False
-                self.lifecycle.step(lc.Pause(trio.current_time()))
+                self.lifecycle.step(lc.Pause(now))  # its time left as it was
                 if not await self._freeze_for_pause():
                     self._log("the sandbox runs again: it could not be frozen", level="error")
             return False
@@ -918,9 +918,13 @@ class SandboxActor:
             # the image it last started from, if its own (a running one needs none)
             actor._resume_image = image if image is not None and image.is_dir() else None
             actor._adoption = doc
-            if doc.get("durableImage") and doc.get("durableLayers"):
+            if doc.get("durableImage"):
                 behind = actor.workdir / str(doc["durableImage"])
-                actor._behind = (behind, node.layers.chain(doc["durableLayers"][0]))
+                below = list(doc.get("durableLayers") or ())
+                stack = (
+                    node.layers.chain(below[0]) if below else LayerStack.of_base([template.rootfs])
+                )
+                actor._behind = (behind, stack)
         actor._journaled = doc.get("state", "paused")
         actor.resume_at_start = bool(doc.get("resumeAtStart"))
         return actor

@@ -16,7 +16,8 @@ them back (`FakeNetwork.restart` with the slots to keep, as
   looks through the upper, then the lower layers, as an overlay shows them.
 - `FakeEnvd` (`EnvdControl`): ready once the sandbox at that address runs;
   records every `/init`; failures and a slow close are scripted.
-- `FakeMemory`: what `/proc/meminfo` says, set by the test.
+- `FakeMemory`: what `/proc/meminfo` says: free memory set by the test,
+  less what the runtime's sandboxes hold.
 """
 
 from __future__ import annotations
@@ -273,19 +274,26 @@ class FakeEnvd:
 
 @dataclass
 class FakeMemory:
-    """The host's memory as `/proc/meminfo` would say; tests move `available`."""
+    """The host's memory as `/proc/meminfo` says it: what is free without any
+    sandbox (`free`, set by the test) less what the runtime's sandboxes hold."""
 
-    available: int = 16 * GIB
+    runtime: FakeRuntime
     total: int = 32 * GIB
-    # set to make the next reads fail (a kernel without MemAvailable, say)
-    error: Exception | None = None
-    reads: int = 0
+    free: int = 16 * GIB
+    # the next `failures` reads raise this (a kernel without MemAvailable, say)
+    error: Exception = field(default_factory=lambda: KeyError("MemAvailable"))
+    failures: int = 0
+    reads: list[float] = field(default_factory=list)  # when it was read
 
     def read(self) -> tuple[int, int]:
-        self.reads += 1
-        if self.error is not None:
+        self.reads.append(trio.current_time())
+        if self.failures > 0:
+            self.failures -= 1
             raise self.error
-        return self.available, self.total
+        held = sum(
+            s.memory_bytes for s in self.runtime.sandboxes.values() if s.state is not Guest.EXITED
+        )
+        return self.free - held, self.total
 
 
 @dataclass
@@ -293,11 +301,12 @@ class FakeHost:
     runtime: FakeRuntime = field(default_factory=FakeRuntime)
     network: FakeNetwork = field(default_factory=FakeNetwork)
     roots: FakeRoots = field(default_factory=FakeRoots)
-    memory: FakeMemory = field(default_factory=FakeMemory)
     envd: FakeEnvd = field(init=False)
+    memory: FakeMemory = field(init=False)
 
     def __post_init__(self) -> None:
         self.envd = FakeEnvd(self.runtime, self.network)
+        self.memory = FakeMemory(self.runtime)
 
     def host(self) -> Host:
         return Host(

@@ -3,7 +3,7 @@
 `open_test_node(config, fake)` does what `aenv.node.node.open_node` does, on
 a `FakeHost` (no images): the real `Node` and sandbox actors, journal in
 SQLite, layers on disk. Time is trio's `MockClock`, advanced by
-`jump_when_idle`: like pytest-trio's `autojump_clock`, but it jumps only while
+`AutoJump`: like pytest-trio's `autojump_clock`, but it jumps only while
 no worker thread runs (SQLite writes, layer copies and fsyncs run in threads;
 trio's own autojump would jump over them, firing timers that real time would
 not reach), so times asserted with `trio.current_time()` are exact.
@@ -66,18 +66,42 @@ class Threads:
         return counted
 
 
-async def jump_when_idle(clock: trio.testing.MockClock, threads: Threads) -> None:
-    """Forever: once every task waits and no thread runs, jump to the next deadline."""
-    while True:
-        await trio.testing.wait_all_tasks_blocked()
-        if threads.in_flight:
-            await threads.idle.wait()
-            continue
-        jump = trio.lowlevel.current_statistics().seconds_to_next_deadline
-        if 0 < jump < math.inf:
-            clock.jump(jump)
-        elif jump == math.inf:  # nothing can happen any more: the test's timeout ends it
-            await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+class AutoJump:
+    """Advances a MockClock to the next deadline whenever every task waits and
+    no worker thread runs; `until(predicate)` wakes a waiter as soon as its
+    predicate holds once everything waits, before the clock moves on."""
+
+    def __init__(self, clock: trio.testing.MockClock) -> None:
+        self.clock = clock
+        self.threads = Threads()
+        self._waiters: list[tuple[Callable[[], bool], trio.Event]] = []
+
+    async def run(self) -> None:
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            if self.threads.in_flight:
+                await self.threads.idle.wait()
+                continue
+            ready = [w for w in self._waiters if w[0]()]
+            if ready:
+                for waiter in ready:
+                    self._waiters.remove(waiter)
+                    waiter[1].set()
+                continue
+            jump = trio.lowlevel.current_statistics().seconds_to_next_deadline
+            if 0 < jump < math.inf:
+                self.clock.jump(jump)
+            elif jump == math.inf:  # nothing can happen any more: the test's timeout ends it
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        """Wait, without moving the clock by itself, until `predicate()` holds."""
+        if predicate():
+            await trio.lowlevel.checkpoint()
+            return
+        event = trio.Event()
+        self._waiters.append((predicate, event))
+        await event.wait()
 
 
 def node_config(tmp_path: Path, **changes: Any) -> Config:
@@ -151,9 +175,3 @@ def crash(node: Node, fake: FakeHost) -> DiskAtCrash:
     shutil.copytree(node.config.sandboxes_dir, copy, symlinks=True)
     fake.crash()
     return DiskAtCrash(node.config, node.meta.store.list_sandboxes(), copy)
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    """Wait, without moving the clock by itself, until `predicate()` holds."""
-    while not predicate():
-        await trio.testing.wait_all_tasks_blocked()

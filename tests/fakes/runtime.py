@@ -5,7 +5,8 @@
 do, as `GVisorRuntime` does (tests/runtimes/test_runtime_conformance.py runs
 the same checks against both):
 
-- starting takes `Timings.start_s` (restoring `restore_s`); the sandbox is
+- starting takes `Timings.start_s` (restoring `restore_s`) and makes the
+  bundle's mount points in the root (/opt/aenv, /proc, ...); the sandbox is
   known to the runtime from the moment it is being started, and leaving the
   `open_*` block stops it (`stop_s`, shielded) and forgets it, also when the
   start is cancelled;
@@ -306,8 +307,7 @@ class FakeRuntime:
             restored_from=image,
         )
         self._record(op, sandbox)
-        spec.workdir.mkdir(parents=True, exist_ok=True)
-        (spec.workdir / "config.json").write_text(json.dumps({"id": spec.sandbox_id}))
+        _write_bundle(spec)
         self.sandboxes[spec.sandbox_id] = sandbox
         try:
             await trio.sleep(self.timings.start_s if image is None else self.timings.restore_s)
@@ -341,6 +341,14 @@ class FakeRuntime:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with spec.log_path.open("a") as f:
             f.write(line + "\n")
+
+
+def _write_bundle(spec: SandboxSpec) -> None:
+    """What runsc's bundle needs: its config, and mount points in the root."""
+    spec.workdir.mkdir(parents=True, exist_ok=True)
+    (spec.workdir / "config.json").write_text(json.dumps({"id": spec.sandbox_id}))
+    for mountpoint in ("opt/aenv", "proc", "dev", "sys", "tmp"):
+        (spec.rootfs / mountpoint).mkdir(parents=True, exist_ok=True)
 
 
 def _make_image_dir(path: Path) -> None:

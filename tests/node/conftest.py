@@ -3,7 +3,8 @@
 Rules: the node is the real `Node` and its sandbox actors on a `FakeHost`
 (no root, no runsc, no network), in pytest's temp dir, on trio's MockClock.
 A test that asks for `clock` also asks for `autojump` (or for `node`, which
-does), which advances it whenever everything waits and no thread runs.
+does), which advances it whenever everything waits and no thread runs;
+`autojump.until(predicate)` waits for a state without moving the clock.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import trio.testing
 from aenv.config import Config
 from aenv.node.node import Node
 from tests.fakes.host import FakeHost
-from tests.fakes.node import Threads, jump_when_idle, node_config, open_test_node
+from tests.fakes.node import AutoJump, node_config, open_test_node
 
 
 @pytest.fixture
@@ -29,11 +30,13 @@ def clock() -> trio.testing.MockClock:
 @pytest.fixture
 async def autojump(
     clock: trio.testing.MockClock, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
-) -> trio.testing.MockClock:
-    threads = Threads()
-    monkeypatch.setattr(trio.to_thread, "run_sync", threads.counting(trio.to_thread.run_sync))
-    nursery.start_soon(jump_when_idle, clock, threads)
-    return clock
+) -> AutoJump:
+    jumper = AutoJump(clock)
+    monkeypatch.setattr(
+        trio.to_thread, "run_sync", jumper.threads.counting(trio.to_thread.run_sync)
+    )
+    nursery.start_soon(jumper.run)
+    return jumper
 
 
 @pytest.fixture
@@ -47,8 +50,6 @@ def config(tmp_path: Path) -> Config:
 
 
 @pytest.fixture
-async def node(
-    autojump: trio.testing.MockClock, config: Config, fake: FakeHost
-) -> AsyncIterator[Node]:
+async def node(autojump: AutoJump, config: Config, fake: FakeHost) -> AsyncIterator[Node]:
     async with open_test_node(config, fake) as node:
         yield node

@@ -16,7 +16,7 @@ from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import ExtendTimeout, Pause, Resume, SetTimeout
 from aenv.proto import lifecycle as lc
 from tests.fakes.host import FakeHost
-from tests.fakes.node import create, until
+from tests.fakes.node import AutoJump, create
 from tests.fakes.runtime import Timings
 
 T = Timings()
@@ -50,11 +50,11 @@ async def test_a_sandbox_is_killed_when_its_timeout_expires(
 
 
 async def test_an_auto_pause_sandbox_is_paused_to_disk_when_its_timeout_expires(
-    clock: trio.testing.MockClock, node: Node, fake: FakeHost
+    clock: trio.testing.MockClock, autojump: AutoJump, node: Node, fake: FakeHost
 ) -> None:
     actor = await create(node, timeout_s=60, auto_pause=True)
     ready = trio.current_time()
-    await until(lambda: actor.state is lc.State.PAUSED)
+    await autojump.until(lambda: actor.state is lc.State.PAUSED)
     # checkpointed (memory), stopped, its upper frozen into a layer
     assert trio.current_time() == ready + 60 + T.checkpoint_s + T.stop_s
     assert [(c.op, c.at) for c in fake.runtime.calls[1:]] == [
