@@ -1,18 +1,19 @@
 """SandboxActor: one task that owns one sandbox from create to teardown.
 
-The actor acquires, in order, a network slot, a writable root (overlay over
-the template), and the runtime sandbox, each as an async context manager on
-an exit stack, so leaving `run()` - by kill, TTL expiry, crash or node
-shutdown - releases them in reverse order. It then waits for envd, calls
-`/init`, reports ready, and serves its mailbox until the lifecycle machine
-(`aenv.proto.lifecycle`) says stop. A failure after start is caught here and
-recorded: one sandbox's crash never reaches the node.
+The actor acquires, in order, a writable root (over the template's layers),
+a network slot and the runtime sandbox from the node's host facilities
+(`aenv.node.host.Host`), each as an async context manager on an exit stack,
+so leaving `run()` - by kill, TTL expiry, crash or node shutdown - releases
+them in reverse order. It then waits for envd, calls `/init`, reports ready,
+and serves its mailbox until the lifecycle machine (`aenv.proto.lifecycle`)
+says stop. Memory images and file layers (pause, hibernation, write-behind,
+snapshot, fork) are made by `aenv.node.capture`. A failure after start is
+caught here and recorded: one sandbox's crash never reaches the node.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime
 import logging
 import math
@@ -31,6 +32,7 @@ import trio
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree
 from aenv.kit.mailbox import Mailbox, Request
+from aenv.node import capture
 from aenv.node.host import EnvdUnavailable
 from aenv.proto import lifecycle as lc
 from aenv.proto.netpolicy import EgressPolicy
@@ -586,18 +588,18 @@ class SandboxActor:
         try:
             # it cannot acknowledge closes while frozen: the restore resets them
             await self._close_connections(reopen=True, wait=False)
-            await self._checkpoint_to(image, frozen=True)
-            captured = await self.node.layers.capture(
-                self._upper, below=self.stack, since=self._live
+            self._live = await capture.write_behind(
+                self._running,
+                self.node.layers,
+                self._upper,
+                below=self.stack,
+                since=self._live,
+                image=image,
             )
-            stack = await self.node.layers.limit_depth(captured.stack)
-            self._live = dataclasses.replace(captured, stack=stack)
-            await trio.to_thread.run_sync(fsync_tree, image)
         except Exception as exc:
             self._log(f"writing a copy to disk failed, still paused: {exc!r}", level="warn")
-            await trio.to_thread.run_sync(shutil.rmtree, image, True)
             return
-        self._behind = (image, stack)
+        self._behind = (image, self._live.stack)
         await self._journal("frozen")
         crash_point("pause.written-behind")
         self._log(f"paused copy written to disk in {1000 * (time.perf_counter() - t0):.0f} ms")
@@ -623,7 +625,7 @@ class SandboxActor:
                 image = behind[0]
             elif self.pause_mode == "full":
                 image = self._next_image()
-                await self._checkpoint_to(image, leave_running=False)
+                await capture.checkpoint_image(self._running, image, leave_running=False)
         except Exception as exc:
             self.lifecycle.step(lc.PauseFailed(now, repr(exc)))
             self._log(f"pause failed, still running: {exc!r}", level="error")
@@ -647,9 +649,9 @@ class SandboxActor:
         if behind is not None:  # its files too (the upper goes with the disk)
             self.stack = behind[1]
         else:
-            layer = await self.node.layers.freeze(upper, below=self.stack)
-            crash_point(f"{what}.layer-frozen")
-            self.stack = await self.node.layers.limit_depth(self.node.layers.chain(layer))
+            self.stack = await capture.freeze_upper(
+                self.node.layers, upper, below=self.stack, fault=f"{what}.layer-frozen"
+            )
         self._upper, self._live = None, None
         self._hibernating = False
         old, self._resume_image = self._resume_image, image
@@ -681,27 +683,33 @@ class SandboxActor:
         t0 = time.perf_counter()
         image: Path | None = None
         spawned = False
+
+        def spawn(captured: Captured) -> None:
+            nonlocal spawned
+            self._live = captured
+            # the children start restoring while the source is let go
+            if isinstance(msg, Fork):
+                assert image is not None
+                self.node.spawn_forks(self, image, captured.stack, msg, req)
+            else:
+                self.node.spawn_snapshot(self, image, captured.stack, msg, req)
+            spawned = True
+
         try:
             if memory:
                 await self._close_connections(reopen=True)
                 image = self._next_image()
             held_at = time.perf_counter()
-            async with self._running.held():
-                if image is not None:
-                    await self._checkpoint_to(image, leave_running=True)
-                captured = await self.node.layers.capture(
-                    self._upper, below=self.stack, since=self._live
-                )
-                stack = await self.node.layers.limit_depth(captured.stack)
-                self._live = dataclasses.replace(captured, stack=stack)
-                crash_point("fork.captured" if isinstance(msg, Fork) else "snapshot.captured")
-                # the children start restoring while the source is let go
-                if isinstance(msg, Fork):
-                    assert image is not None
-                    self.node.spawn_forks(self, image, stack, msg, req)
-                else:
-                    self.node.spawn_snapshot(self, image, stack, msg, req)
-                spawned = True
+            captured = await capture.capture_live(
+                self._running,
+                self.node.layers,
+                self._upper,
+                below=self.stack,
+                since=self._live,
+                image=image,
+                fault="fork.captured" if isinstance(msg, Fork) else "snapshot.captured",
+                then=spawn,
+            )
             held_ms = 1000 * (time.perf_counter() - held_at)
         except Exception as exc:
             if spawned:  # captured, but the sandbox could not be let go
@@ -715,33 +723,13 @@ class SandboxActor:
         self._log(
             f"captured for {what} in {1000 * (time.perf_counter() - t0):.0f} ms (held "
             f"{held_ms:.0f} ms): {captured.copied_bytes} bytes of files copied, "
-            f"{stack.depth} layers"
+            f"{captured.stack.depth} layers"
         )
 
     def _next_image(self) -> Path:
         """Where this sandbox's next memory image goes (in its own workdir)."""
         self._captures += 1
         return self.workdir / f"image{self._captures}"
-
-    async def _checkpoint_to(
-        self, image: Path, *, leave_running: bool = True, frozen: bool = False
-    ) -> None:
-        """Checkpoint the runtime into `image` (of a frozen sandbox, which stays
-        frozen, with `frozen`): staged beside it, renamed once whole."""
-        assert self._running is not None
-        tmp = image.with_suffix(".tmp")
-        await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
-        tmp.mkdir(parents=True)
-        try:
-            if frozen:
-                await self._running.checkpoint_frozen(tmp)
-            else:
-                await self._running.checkpoint(tmp, leave_running=leave_running)
-        except BaseException:  # a partial image is no use to anyone: it goes
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
-            raise
-        tmp.rename(image)
 
     async def _close_connections(self, *, reopen: bool, wait: bool = True) -> None:
         """Close the node's connections into the sandbox before a memory image is taken.
