@@ -1,11 +1,13 @@
 """The Node supervisor: owns the sandbox table and every sandbox actor.
 
-`open_node(config)` sets up the node-wide services (API key, host network,
-runtime, template store, HTTP client to the sandboxes), reaps what an earlier
-crashed process left behind, and yields a `Node`. Sandbox actors run in the
-node's nursery; leaving the block cancels them, and each tears its sandbox
-down in its own `finally`. The table is only mutated by this module, from
-synchronous code, so trio's cooperative scheduling keeps it consistent.
+`open_node(config)` sets up the node-wide services on this machine (API key,
+runsc, overlay roots, host network, images), reaps what an earlier crashed
+process left behind, and yields a `Node` from `open_node_on(host, ...)`,
+which runs a node on any `aenv.node.host.Host` (the in-process tests give
+it scripted ones). Sandbox actors run in the node's nursery; leaving the
+block cancels them, and each tears its sandbox down in its own `finally`.
+The table is only mutated by this module, from synchronous code, so trio's
+cooperative scheduling keeps it consistent.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from aenv.images.store import ImageRecord
 from aenv.kit.faults import crash_point
 from aenv.kit.mailbox import Busy, Request
 from aenv.kit.metrics import Registry
+from aenv.kit.supervisor import RestartPolicy, StopToken, Strategy, Supervisor, run_supervisor
 from aenv.node import pressure
 from aenv.node.builds import Builds
 from aenv.node.durable import Durable
+from aenv.node.host import Host, HttpEnvd, WritableRoots
 from aenv.node.pool import Pool
 from aenv.node.sandbox import Fork, Resume, SandboxActor, Snapshot, policy_of
 from aenv.node.snapshots import CorruptSnapshot, Snapshots
@@ -43,13 +47,14 @@ from aenv.proto import ids
 from aenv.proto import lifecycle as lc
 from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
+from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import Limits, NewSandbox
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
-from aenv.runtimes.netns import HostNetwork, open_host_network
+from aenv.runtimes.netns import open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
-from aenv.storage.overlay import reap_stale_mounts
+from aenv.storage.overlay import OverlayRoots
 from aenv.storage.templates import (
     Template,
     TemplateConflict,
@@ -61,6 +66,12 @@ from aenv.storage.templates import (
 log = logging.getLogger("aenv.node")
 
 LAYER_GC_MIN_AGE_S = 60.0
+# The memory pressure watcher, restarted after 1, 2, 4, 8 and 16 s; a sixth failure
+# within 5 minutes leaves the node without it (logged), running on. (One per
+# node: no jitter, nothing to spread out.)
+WATCHER_RESTARTS = RestartPolicy(
+    max_restarts=5, window_s=300.0, backoff_base_s=1.0, backoff_max_s=30.0, jitter=0.0
+)
 
 
 class SandboxNotFound(LookupError):
@@ -107,16 +118,16 @@ class Node:
         self,
         *,
         config: Config,
-        runtime: Runtime,
-        network: HostNetwork,
+        host: Host,
         templates: TemplateStore,
         images: Images,
         nursery: trio.Nursery,
         api_key: str,
     ) -> None:
         self.config = config
-        self.runtime = runtime
-        self.network = network
+        self.host = host
+        self.runtime = host.runtime
+        self.network = host.network
         self.templates = templates
         self.images = images
         self.layers = LayerStore(config.home / "layers")
@@ -130,6 +141,8 @@ class Node:
             max_memory_mb=_host_memory_mb(),
         )
         self._nursery = nursery
+        # the node's long-lived tasks (the memory pressure watcher), once started
+        self.services: Supervisor | None = None
         self._sandboxes: dict[str, SandboxActor] = {}
         # sandboxes found dead at a restart: {id: what happened}, answered for a while
         self.lost: dict[str, str] = {}
@@ -293,7 +306,7 @@ class Node:
         async with trio.open_nursery() as nursery:
             for doc in docs:
                 nursery.start_soon(one, doc)
-        await self.network.release_unadopted()
+        await self.host.network.release_unadopted()
         if docs:
             log.info(
                 "took back %d of %d journaled sandboxes in %.2f s",
@@ -379,8 +392,8 @@ class Node:
     async def _cleanup_runtime(self, sandbox_id: str) -> None:
         """What is left of a sandbox that could not be taken back: its runtime, mounts."""
         with trio.CancelScope(shield=True):
-            await self.runtime.remove(sandbox_id)
-        await trio.to_thread.run_sync(reap_stale_mounts, self.config.sandboxes_dir / sandbox_id)
+            await self.host.runtime.remove(sandbox_id)
+        await self.host.roots.reap(self.config.sandboxes_dir / sandbox_id)
 
     # -- operations ----------------------------------------------------------
 
@@ -699,6 +712,22 @@ class Node:
         so it survives the restart like any other paused sandbox."""
         await self._hibernate([a for a in self._sandboxes.values() if a.frozen_pause], within_s)
 
+    async def watch_memory(self, stop: StopToken) -> None:
+        """Hibernate sandboxes paused in memory while the host runs short of it
+        (`aenv.node.pressure`), until stopped."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(
+                    pressure.watch,
+                    self.config.hibernate_memory_low_pct,
+                    self.frozen_sandboxes,
+                    self.hibernate_these,
+                    meminfo=self.host.meminfo,
+                )
+            )
+            await stop.wait()
+            nursery.cancel_scope.cancel()
+
     async def frozen_sandboxes(self) -> Sequence[pressure.Frozen]:
         """The sandboxes paused in memory, with the memory each holds (for `pressure`)."""
         from aenv.node.sandbox import GetUsage
@@ -742,6 +771,7 @@ class Node:
 
 @asynccontextmanager
 async def open_node(config: Config) -> AsyncIterator[Node]:
+    """A node on this machine: runsc, overlay mounts, network namespaces, images."""
     for d in (config.home, config.sandboxes_dir, config.run_dir):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(config.home, 0o711)
@@ -753,16 +783,8 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         state_root=config.run_dir / "runsc",
         cgroup_parent=config.net_prefix,
     )
-    # what the journal says runs (adopted below) is kept; the rest is reaped
-    live = await trio.to_thread.run_sync(_journaled_live, config)
-    reaped = await runtime.reap_stale(keep=live.keys())
-    if reaped:
-        log.warning("reaped %d runtime sandboxes no journal record names", len(reaped))
-    mounts = [config.sandboxes_dir / i / f"disk{d['period']}" / "merged" for i, d in live.items()]
-    await trio.to_thread.run_sync(reap_stale_mounts, config.sandboxes_dir, mounts)
-    keep = await trio.to_thread.run_sync(_journaled_dirs, config)
-    await trio.to_thread.run_sync(_clear_dir, config.sandboxes_dir, keep)
-    templates = TemplateStore(config.templates_dir, image_root=config.run_dir / "images")
+    roots = OverlayRoots()
+    live = await reap_leftovers(config, runtime=runtime, roots=roots)
     async with (
         open_images(config) as images,
         open_host_network(
@@ -770,14 +792,48 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
             prefix=config.net_prefix,
             table=config.net_prefix,
             egress_cap=config.egress_cap,
-            adopt={int(d["slot"]): policy_of(d) for d in live.values()},
+            adopt=adoptable_slots(live),
         ) as network,
-        trio.open_nursery() as nursery,
     ):
+        host = Host(runtime=runtime, network=network, roots=roots, envd=HttpEnvd())
+        async with open_node_on(host, config, images=images, api_key=api_key) as node:
+            yield node
+
+
+async def reap_leftovers(
+    config: Config, *, runtime: Runtime, roots: WritableRoots
+) -> dict[str, dict[str, Any]]:
+    """Remove what an earlier node process left behind but what its journal says
+    runs (taken back by `Node.recover`): runtime sandboxes, roots, files.
+    Returns {sandbox ID: record} of those journaled running or frozen."""
+    live = await trio.to_thread.run_sync(_journaled_live, config)
+    reaped = await runtime.reap_stale(keep=live.keys())
+    if reaped:
+        log.warning("reaped %d runtime sandboxes no journal record names", len(reaped))
+    mounts = [config.sandboxes_dir / i / f"disk{d['period']}" / "merged" for i, d in live.items()]
+    await roots.reap(config.sandboxes_dir, mounts)
+    keep = await trio.to_thread.run_sync(_journaled_dirs, config)
+    await trio.to_thread.run_sync(_clear_dir, config.sandboxes_dir, keep)
+    return live
+
+
+def adoptable_slots(live: dict[str, dict[str, Any]]) -> dict[int, EgressPolicy]:
+    """The network slots of the sandboxes `reap_leftovers` kept, with their policies."""
+    return {int(d["slot"]): policy_of(d) for d in live.values()}
+
+
+@asynccontextmanager
+async def open_node_on(
+    host: Host, config: Config, *, images: Images, api_key: str
+) -> AsyncIterator[Node]:
+    """A node whose sandboxes run on `host`: it takes back what the journal
+    holds, resumes unfinished uploads and watches memory pressure (supervised);
+    leaving the block cancels every sandbox (each tears itself down)."""
+    templates = TemplateStore(config.templates_dir, image_root=config.run_dir / "images")
+    async with trio.open_nursery() as nursery:
         node = Node(
             config=config,
-            runtime=runtime,
-            network=network,
+            host=host,
             templates=templates,
             images=images,
             nursery=nursery,
@@ -789,12 +845,10 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         await node.durable.serve_lazy_layers()  # before anything mounts them
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
+        node.services = await nursery.start(run_supervisor, "node")
         if config.hibernate_memory_low_pct > 0:
-            nursery.start_soon(
-                pressure.watch,
-                config.hibernate_memory_low_pct,
-                node.frozen_sandboxes,
-                node.hibernate_these,
+            node.services.start_soon(
+                "memory-pressure", node.watch_memory, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
             )
         try:
             yield node

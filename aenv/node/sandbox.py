@@ -1,18 +1,19 @@
 """SandboxActor: one task that owns one sandbox from create to teardown.
 
-The actor acquires, in order, a network slot, a writable root (overlay over
-the template), and the runtime sandbox, each as an async context manager on
-an exit stack, so leaving `run()` - by kill, TTL expiry, crash or node
-shutdown - releases them in reverse order. It then waits for envd, calls
-`/init`, reports ready, and serves its mailbox until the lifecycle machine
-(`aenv.proto.lifecycle`) says stop. A failure after start is caught here and
-recorded: one sandbox's crash never reaches the node.
+The actor acquires, in order, a writable root (over the template's layers),
+a network slot and the runtime sandbox from the node's host facilities
+(`aenv.node.host.Host`), each as an async context manager on an exit stack,
+so leaving `run()` - by kill, TTL expiry, crash or node shutdown - releases
+them in reverse order. It then waits for envd, calls `/init`, reports ready,
+and serves its mailbox until the lifecycle machine (`aenv.proto.lifecycle`)
+says stop. Memory images and file layers (pause, hibernation, write-behind,
+snapshot, fork) are made by `aenv.node.capture`. A failure after start is
+caught here and recorded: one sandbox's crash never reaches the node.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime
 import functools
 import logging
@@ -31,27 +32,25 @@ import httpx
 import trio
 
 from aenv.config import Config
-from aenv.kit import tcpstate
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree
 from aenv.kit.mailbox import Mailbox, Request
+from aenv.node import capture
+from aenv.node.host import EnvdUnavailable, Host
 from aenv.proto import lifecycle as lc
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import NewSandbox
-from aenv.runtimes.base import ENVD_PORT, RunningSandbox, Runtime, SandboxSpec, Usage
-from aenv.runtimes.netns import HostNetwork, NetSlot
+from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
+from aenv.runtimes.netns import NetSlot
 from aenv.storage.bundle import envd_command
 from aenv.storage.layers import Captured, LayerStack, LayerStore
 from aenv.storage.metadata import Metadata
-from aenv.storage.overlay import adopt_writable_root, open_writable_root, unmount_root
 from aenv.storage.templates import Template
 
 log = logging.getLogger("aenv.sandbox")
 
 ENVD_READY_TIMEOUT_S = 60.0
 LOG_LINES = 1000
-# control calls to envd leave no idle connection behind (a checkpoint would hold it)
-_CLOSE = {"Connection": "close"}
 # how long envd gets to close its side of the node's connections before a checkpoint
 _CLOSE_WAIT_S = 1.0
 
@@ -78,10 +77,6 @@ class SandboxNotRunning(Exception):
     def __init__(self, sandbox_id: str, state: lc.State) -> None:
         super().__init__(f"sandbox {sandbox_id} is {state.value}")
         self.state = state
-
-
-class EnvdUnavailable(Exception):
-    pass
 
 
 class PauseError(Exception):
@@ -216,8 +211,7 @@ class SandboxHost(Protocol):
     """What a sandbox actor needs of the node that owns it (the node is one)."""
 
     config: Config
-    runtime: Runtime
-    network: HostNetwork
+    host: Host
     layers: LayerStore
     meta: Metadata
 
@@ -445,7 +439,7 @@ class SandboxActor:
         first: bool,
     ) -> bool:
         """Run until stopped (returns True) or paused (returns False)."""
-        node = self.node
+        node, host = self.node, self.node.host
         adoption, self._adoption = self._adoption, None
         self._period = int(adoption["period"]) if adoption else self._period + 1
         disk = self.workdir / f"disk{self._period}"
@@ -453,14 +447,14 @@ class SandboxActor:
         async with AsyncExitStack() as period:
             try:
                 root = await period.enter_async_context(
-                    adopt_writable_root(disk)
+                    host.roots.adopt_root(disk)
                     if adoption
-                    else open_writable_root(self.stack.lowers(), disk)
+                    else host.roots.open_root(self.stack.lowers(), disk)
                 )
                 slot = await period.enter_async_context(
-                    node.network.adopt_slot(int(adoption["slot"]))
+                    host.network.adopt_slot(int(adoption["slot"]))
                     if adoption
-                    else node.network.open_slot(self.policy)
+                    else host.network.open_slot(self.policy)
                 )
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
@@ -481,11 +475,11 @@ class SandboxActor:
                 self._period_stack = period
                 self.http = await period.enter_async_context(_http_client())
                 if adoption:
-                    opener = node.runtime.open_adopted(spec, frozen=adoption["state"] == "frozen")
+                    opener = host.runtime.open_adopted(spec, frozen=adoption["state"] == "frozen")
                 elif image is None:
-                    opener = node.runtime.open_sandbox(spec)
+                    opener = host.runtime.open_sandbox(spec)
                 else:
-                    opener = node.runtime.open_restored(spec, image)
+                    opener = host.runtime.open_restored(spec, image)
                 self._runtime_stack = await period.enter_async_context(AsyncExitStack())
                 self._running = await self._runtime_stack.enter_async_context(opener)
                 if not adoption:
@@ -635,18 +629,18 @@ class SandboxActor:
         try:
             # it cannot acknowledge closes while frozen: the restore resets them
             await self._close_connections(reopen=True, wait=False)
-            await self._checkpoint_to(image, frozen=True)
-            captured = await self.node.layers.capture(
-                self._upper, below=self.stack, since=self._live
+            self._live = await capture.write_behind(
+                self._running,
+                self.node.layers,
+                self._upper,
+                below=self.stack,
+                since=self._live,
+                image=image,
             )
-            stack = await self.node.layers.limit_depth(captured.stack)
-            self._live = dataclasses.replace(captured, stack=stack)
-            await trio.to_thread.run_sync(fsync_tree, image)
         except Exception as exc:
             self._log(f"writing a copy to disk failed, still paused: {exc!r}", level="warn")
-            await trio.to_thread.run_sync(shutil.rmtree, image, True)
             return
-        self._behind = (image, stack)
+        self._behind = (image, self._live.stack)
         await self._journal("frozen")
         crash_point("pause.written-behind")
         self._log(f"paused copy written to disk in {1000 * (time.perf_counter() - t0):.0f} ms")
@@ -672,7 +666,7 @@ class SandboxActor:
                 image = behind[0]
             elif self.pause_mode == "full":
                 image = self._next_image()
-                await self._checkpoint_to(image, leave_running=False)
+                await capture.checkpoint_image(self._running, image, leave_running=False)
         except Exception as exc:
             self.lifecycle.step(lc.PauseFailed(now, repr(exc)))
             self._log(f"pause failed, still running: {exc!r}", level="error")
@@ -683,7 +677,7 @@ class SandboxActor:
             await self._journal("running")
             if self._hibernating:  # the caller heard "paused": stay paused, in memory
                 self._hibernating = False
-                self.lifecycle.step(lc.Pause(trio.current_time()))
+                self.lifecycle.step(lc.Pause(now))  # its time left as it was
                 if not await self._freeze_for_pause():
                     self._log("the sandbox runs again: it could not be frozen", level="error")
             return False
@@ -692,13 +686,13 @@ class SandboxActor:
         crash_point(f"{what}.captured")
         assert self._runtime_stack is not None
         await self._runtime_stack.aclose()
-        upper = await unmount_root(disk)
+        upper = await self.node.host.roots.unmount(disk)
         if behind is not None:  # its files too (the upper goes with the disk)
             self.stack = behind[1]
         else:
-            layer = await self.node.layers.freeze(upper, below=self.stack)
-            crash_point(f"{what}.layer-frozen")
-            self.stack = await self.node.layers.limit_depth(self.node.layers.chain(layer))
+            self.stack = await capture.freeze_upper(
+                self.node.layers, upper, below=self.stack, fault=f"{what}.layer-frozen"
+            )
         self._upper, self._live = None, None
         self._hibernating = False
         old, self._resume_image = self._resume_image, image
@@ -730,27 +724,33 @@ class SandboxActor:
         t0 = time.perf_counter()
         image: Path | None = None
         spawned = False
+
+        def spawn(captured: Captured) -> None:
+            nonlocal spawned
+            self._live = captured
+            # the children start restoring while the source is let go
+            if isinstance(msg, Fork):
+                assert image is not None
+                self.node.spawn_forks(self, image, captured.stack, msg, req)
+            else:
+                self.node.spawn_snapshot(self, image, captured.stack, msg, req)
+            spawned = True
+
         try:
             if memory:
                 await self._close_connections(reopen=True)
                 image = self._next_image()
             held_at = time.perf_counter()
-            async with self._running.held():
-                if image is not None:
-                    await self._checkpoint_to(image, leave_running=True)
-                captured = await self.node.layers.capture(
-                    self._upper, below=self.stack, since=self._live
-                )
-                stack = await self.node.layers.limit_depth(captured.stack)
-                self._live = dataclasses.replace(captured, stack=stack)
-                crash_point("fork.captured" if isinstance(msg, Fork) else "snapshot.captured")
-                # the children start restoring while the source is let go
-                if isinstance(msg, Fork):
-                    assert image is not None
-                    self.node.spawn_forks(self, image, stack, msg, req)
-                else:
-                    self.node.spawn_snapshot(self, image, stack, msg, req)
-                spawned = True
+            captured = await capture.capture_live(
+                self._running,
+                self.node.layers,
+                self._upper,
+                below=self.stack,
+                since=self._live,
+                image=image,
+                fault="fork.captured" if isinstance(msg, Fork) else "snapshot.captured",
+                then=spawn,
+            )
             held_ms = 1000 * (time.perf_counter() - held_at)
         except Exception as exc:
             if spawned:  # captured, but the sandbox could not be let go
@@ -758,35 +758,19 @@ class SandboxActor:
             self._log(f"capture failed, still running: {exc!r}", level="error")
             if image is not None:
                 await trio.to_thread.run_sync(shutil.rmtree, image, True)
-                await trio.to_thread.run_sync(shutil.rmtree, image.with_suffix(".tmp"), True)
             req.fail(PauseError(f"capturing the sandbox failed: {exc}"))
             return
         what = f"a fork of {msg.count}" if isinstance(msg, Fork) else "a snapshot"
         self._log(
             f"captured for {what} in {1000 * (time.perf_counter() - t0):.0f} ms (held "
             f"{held_ms:.0f} ms): {captured.copied_bytes} bytes of files copied, "
-            f"{stack.depth} layers"
+            f"{captured.stack.depth} layers"
         )
 
     def _next_image(self) -> Path:
         """Where this sandbox's next memory image goes (in its own workdir)."""
         self._captures += 1
         return self.workdir / f"image{self._captures}"
-
-    async def _checkpoint_to(
-        self, image: Path, *, leave_running: bool = True, frozen: bool = False
-    ) -> None:
-        """Checkpoint the runtime into `image` (of a frozen sandbox, which stays
-        frozen, with `frozen`): staged beside it, renamed once whole."""
-        assert self._running is not None
-        tmp = image.with_suffix(".tmp")
-        await trio.to_thread.run_sync(shutil.rmtree, tmp, True)
-        tmp.mkdir(parents=True)
-        if frozen:
-            await self._running.checkpoint_frozen(tmp)
-        else:
-            await self._running.checkpoint(tmp, leave_running=leave_running)
-        tmp.rename(image)
 
     async def _close_connections(self, *, reopen: bool, wait: bool = True) -> None:
         """Close the node's connections into the sandbox before a memory image is taken.
@@ -802,7 +786,7 @@ class SandboxActor:
         if (
             wait
             and self.sandbox_ip is not None
-            and not await tcpstate.wait_closed(self.sandbox_ip, within_s=_CLOSE_WAIT_S)
+            and not await self.node.host.envd.wait_closed(self.sandbox_ip, within_s=_CLOSE_WAIT_S)
         ):
             self._log("envd kept a connection open; capturing anyway", level="warn")
         if reopen:
@@ -970,9 +954,13 @@ class SandboxActor:
             # the image it last started from, if its own (a running one needs none)
             actor._resume_image = image if image is not None and image.is_dir() else None
             actor._adoption = doc
-            if doc.get("durableImage") and doc.get("durableLayers"):
+            if doc.get("durableImage"):
                 behind = actor.workdir / str(doc["durableImage"])
-                actor._behind = (behind, node.layers.chain(doc["durableLayers"][0]))
+                below = list(doc.get("durableLayers") or ())
+                stack = (
+                    node.layers.chain(below[0]) if below else LayerStack.of_base([template.rootfs])
+                )
+                actor._behind = (behind, stack)
         actor._journaled = doc.get("state", "paused")
         actor.resume_at_start = bool(doc.get("resumeAtStart"))
         return actor
@@ -1033,19 +1021,10 @@ class SandboxActor:
         return child
 
     async def _init_envd(self, *, resumed: bool = False) -> None:
-        assert self.sandbox_ip is not None
-        base = f"http://{self.sandbox_ip}:{ENVD_PORT}"
-        client = self.http
-        assert client is not None
+        address, client, envd = self.sandbox_ip, self.http, self.node.host.envd
+        assert address is not None and client is not None
         with trio.move_on_after(ENVD_READY_TIMEOUT_S) as scope:
-            while True:
-                try:
-                    r = await client.get(f"{base}/health", headers=_CLOSE, timeout=2.0)
-                    if r.status_code in (200, 204):
-                        break
-                except httpx.TransportError:
-                    pass
-                await trio.sleep(0.02)
+            await envd.wait_ready(client, address)
         if scope.cancelled_caught:
             tail = "\n".join(self.console_tail(20))
             raise EnvdUnavailable(f"envd did not start within {ENVD_READY_TIMEOUT_S:g}s: {tail}")
@@ -1060,10 +1039,7 @@ class SandboxActor:
         }
         # after a resume envd already holds the token and wants it to re-init
         current = self._prior_token or self.envd_access_token
-        headers = {**_CLOSE, **({"X-Access-Token": current} if resumed else {})}
-        r = await client.post(f"{base}/init", json=body, headers=headers, timeout=10.0)
-        if r.status_code >= 300:
-            raise EnvdUnavailable(f"envd /init answered {r.status_code}: {r.text[:200]}")
+        await envd.init(client, address, body, token=current if resumed else None)
 
     async def _serve(self) -> None:
         assert self._running is not None
@@ -1214,7 +1190,7 @@ class SandboxActor:
 
     async def _set_network(self, policy: EgressPolicy) -> None:
         assert self._slot is not None
-        await self.node.network.set_policy(self._slot, policy)
+        await self.node.host.network.set_policy(self._slot, policy)
         self.policy = policy
         self._log("network policy updated")
 

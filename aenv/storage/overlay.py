@@ -12,6 +12,7 @@ made (a sandbox that ran on while the node restarted), and
 umount(8) run in worker threads. To keep the upper (pause, snapshot, fork),
 `unmount_root` unmounts the overlay inside the block and hands back the
 upper directory for `aenv.storage.layers.LayerStore.freeze` to move away.
+`OverlayRoots` is the same four as one object, the node's `WritableRoots`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import trio
@@ -29,6 +30,7 @@ import trio
 __all__ = [
     "MAX_MOUNT_OPTIONS",
     "OverlayError",
+    "OverlayRoots",
     "adopt_writable_root",
     "open_writable_root",
     "reap_stale_mounts",
@@ -129,6 +131,22 @@ def reap_stale_mounts(root: Path, keep: Collection[Path] = ()) -> list[Path]:
     for mountpoint in sorted(stale, key=lambda p: len(p.parts), reverse=True):
         _unmount(mountpoint)
     return stale
+
+
+class OverlayRoots:
+    """Sandbox roots as overlay mounts (`aenv.node.host.WritableRoots`)."""
+
+    def open_root(self, lowers: Sequence[Path], workdir: Path) -> AbstractAsyncContextManager[Path]:
+        return open_writable_root(lowers, workdir)
+
+    def adopt_root(self, workdir: Path) -> AbstractAsyncContextManager[Path]:
+        return adopt_writable_root(workdir)
+
+    async def unmount(self, workdir: Path) -> Path:
+        return await unmount_root(workdir)
+
+    async def reap(self, root: Path, keep: Collection[Path] = ()) -> list[Path]:
+        return await trio.to_thread.run_sync(reap_stale_mounts, root, keep)
 
 
 def _prepare(workdir: Path) -> None:

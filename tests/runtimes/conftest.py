@@ -6,6 +6,7 @@ layer holds nothing but a static busybox -- no libc, no Python -- so a
 sandbox that runs Python proves the bundle is self-contained. Each `netns`
 is `aenvtest-XXXX` with a veth whose host end is 10.213.N.1/30 and guest end
 10.213.N.2/30 (traffic stays on that private pair); it is deleted afterwards.
+`make_netns` makes as many as a test asks for (`tests.runtimes.nets`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.runtimes.nets import Net, netns_maker
 
 
 def _need_root_and(*tools: str) -> None:
@@ -63,3 +66,11 @@ def netns() -> Iterator[Netns]:
     finally:
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def make_netns() -> Iterator[Callable[[], Net]]:
+    """Factory of private netns with a veth pair 10.214.N.1 (host) / .2 (guest)."""
+    _need_root_and("ip")
+    with netns_maker() as make:
+        yield make

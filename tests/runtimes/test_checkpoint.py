@@ -12,12 +12,11 @@ process, cgroup, state file or mount is left. Timings are printed (-s).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from aenv.runtimes.gvisor import CGROUP_ROOT, GVisorRuntime, GVisorSandbox
 from aenv.storage.bundle import envd_command
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.overlay import open_writable_root, unmount_root
+from tests.runtimes.nets import Net
 
 pytestmark = pytest.mark.runsc
 
@@ -83,53 +83,6 @@ class H(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 http.server.ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
 """
-
-
-@dataclass(frozen=True)
-class Net:
-    name: str
-    path: Path
-    host_ip: str
-    guest_ip: str
-
-
-@pytest.fixture
-def make_netns() -> Iterator[Callable[[], Net]]:
-    """Factory of private netns with a veth pair 10.214.N.1 (host) / .2 (guest)."""
-    made: list[tuple[str, str]] = []
-    subnets: set[int] = set()
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
-    def make() -> Net:
-        tag = secrets.token_hex(2)
-        name, host_if = f"aenvck-{tag}", f"aenvch{tag}"
-        n = int(tag, 16) % 250 + 1
-        while n in subnets:  # one test's slots never share a subnet
-            n = n % 250 + 1
-        subnets.add(n)
-        host_ip, guest_ip = f"10.214.{n}.1", f"10.214.{n}.2"
-        ip("netns", "add", name)
-        made.append((name, host_if))
-        ip("link", "add", host_if, "type", "veth", "peer", "name", f"aenvcg{tag}")
-        ip("link", "set", f"aenvcg{tag}", "netns", name)
-        ip("addr", "add", f"{host_ip}/30", "dev", host_if)
-        ip("link", "set", host_if, "up")
-        ip("-n", name, "link", "set", "lo", "up")
-        ip("-n", name, "link", "set", f"aenvcg{tag}", "name", "eth0")
-        ip("-n", name, "addr", "add", f"{guest_ip}/30", "dev", "eth0")
-        ip("-n", name, "link", "set", "eth0", "up")
-        return Net(name, Path("/var/run/netns") / name, host_ip, guest_ip)
-
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
-    try:
-        yield make
-    finally:
-        for name, host_if in made:
-            subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def make_spec(tmp_path: Path, name: str, *, rootfs: Path, bundle: Path, net: Net) -> SandboxSpec:
