@@ -46,6 +46,7 @@ from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.requests import Limits, NewSandbox
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
+from aenv.runtimes.hostclaim import claim_host
 from aenv.runtimes.netns import HostNetwork, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
@@ -742,6 +743,18 @@ class Node:
 
 @asynccontextmanager
 async def open_node(config: Config) -> AsyncIterator[Node]:
+    # this node's names, home and address range are its own while it runs
+    async with (
+        claim_host(
+            prefix=config.effective_net_prefix, home=config.home, cidr=config.slot_cidr
+        ) as claim,
+        _open_node(config, prefix=claim.prefix, slot_cidr=claim.cidr) as node,
+    ):
+        yield node
+
+
+@asynccontextmanager
+async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIterator[Node]:
     for d in (config.home, config.sandboxes_dir, config.run_dir):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(config.home, 0o711)
@@ -751,7 +764,7 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         platform=config.runsc_platform,
         compression=config.checkpoint_compression,
         state_root=config.run_dir / "runsc",
-        cgroup_parent=config.net_prefix,
+        cgroup_parent=prefix,
     )
     # what the journal says runs (adopted below) is kept; the rest is reaped
     live = await trio.to_thread.run_sync(_journaled_live, config)
@@ -766,9 +779,9 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
     async with (
         open_images(config) as images,
         open_host_network(
-            cidr=config.slot_cidr,
-            prefix=config.net_prefix,
-            table=config.net_prefix,
+            cidr=slot_cidr,
+            prefix=prefix,
+            table=prefix,
             egress_cap=config.egress_cap,
             adopt={int(d["slot"]): policy_of(d) for d in live.values()},
         ) as network,

@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 
+from aenv.config import Config, derive_net_prefix
 from aenv.proto.netpolicy import EgressPolicy, render_slot_rules, render_table
 from aenv.proto.netstate import (
     AUTO_SLOT_CIDRS,
+    PREFIX_RE,
     Claim,
     Diagnosis,
     Shape,
@@ -234,3 +236,22 @@ def test_a_range_is_picked_stable_and_free() -> None:
         pick(candidates=["10.231.0.0/16"], own_addresses=[], previous=None, taken=taken(first))
         is None
     )
+
+
+def test_the_default_prefix_comes_from_the_node_identity(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    pa, pb = Config(home=a).effective_net_prefix, Config(home=b).effective_net_prefix
+    assert pa != pb and PREFIX_RE.match(pa) and len(pa) == 10
+    assert pa == derive_net_prefix(str(a.resolve())) == Config(home=a).effective_net_prefix
+    (tmp_path / "link").symlink_to(a)
+    assert Config(home=tmp_path / "link").effective_net_prefix == pa  # the resolved home
+    env = {"AENV_HOME": str(a), "AENV_NET_PREFIX": "aenvt"}
+    assert Config.from_env(env).effective_net_prefix == "aenvt"
+    env["AENV_NET_PREFIX"] = ""  # set but empty: as unset
+    assert Config.from_env(env).effective_net_prefix == pa
+    env["AENV_NODE_ID"] = "node-7"
+    assert Config.from_env(env).effective_net_prefix == derive_net_prefix("node-7")
+    assert Config.from_env(env).slot_cidr is None
+    assert Config.from_env({**env, "AENV_SLOT_CIDR": "10.9.0.0/16"}).slot_cidr == "10.9.0.0/16"
+    with pytest.raises(ValueError, match="positive"):
+        Config.from_env({**env, "AENV_NETWORK_CHECK_INTERVAL": "0"})

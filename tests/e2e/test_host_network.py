@@ -1,0 +1,185 @@
+"""A node defends its host state: other nodes on the host, and damage done under it.
+
+Rules: each test runs its own nodes (never the session node), each in its own
+temp home linked to AENV_TEST_HOME, with no AENV_NET_PREFIX and no
+AENV_SLOT_CIDR, as a new user starts them: the names come from the home, the
+range is picked at start (a free /16 of 10.200-10.231, recorded in the node's
+claim under /run/aenv). Template warm-up and the pool are off, so a node's
+first sandbox has slot 0 and its second slot 1. Damage is done only to the
+test node's own names (its table, a slot's chain, a netns, a veth), never with
+`nft flush ruleset`, which would hit every table on the machine. Commands run
+through the e2b SDK pointed at one node per call. Loopback only. Nothing of
+any node may leak at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from aenv.config import Config
+from aenv.proto.netstate import Claim
+from aenv.runtimes.hostclaim import CLAIMS_DIR
+from tests.conftest import (
+    NodeProc,
+    built_home,
+    leaks,
+    link_home,
+    requires_node,
+    start_node,
+    stop_node,
+)
+
+pytestmark = [requires_node, pytest.mark.runsc]
+
+# as a new user starts a node: no names prefix, no range (empty is unset)
+ENV = {
+    "AENV_NET_PREFIX": "",
+    "AENV_SLOT_CIDR": "",
+    "AENV_WARM_TEMPLATES": "0",
+    "AENV_POOL_SIZE": "0",
+}
+
+
+class Nodes:
+    """Nodes with homes of their own; everything they started is stopped at the end."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.running: list[NodeProc] = []
+        self.homes: list[Path] = []
+
+    def home(self, name: str) -> Path:
+        built = built_home()
+        assert built is not None
+        h = self.tmp / name
+        h.mkdir()
+        link_home(built, h)
+        self.homes.append(h)
+        return h
+
+    def start(self, home: Path, **env: str) -> NodeProc:
+        n = start_node(
+            home,
+            api_key="k" + secrets.token_hex(8),
+            log_path=home / "node.log",
+            extra_env={**ENV, **env},
+        )
+        self.running.append(n)
+        return n
+
+    def stop(self, n: NodeProc) -> None:
+        self.running.remove(n)
+        assert stop_node(n) == 0, n.log_tail()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Nodes]:
+    ns = Nodes(tmp_path)
+    try:
+        yield ns
+    finally:
+        for n in list(ns.running):
+            with contextlib.suppress(Exception):
+                print(n.log_tail())
+                ns.stop(n)
+        for h in ns.homes:
+            left = leaks(h, prefix_of(h))
+            assert not left, left
+
+
+def prefix_of(home: Path) -> str:
+    return Config(home=home).effective_net_prefix
+
+
+def claim_of(n: NodeProc) -> Claim:
+    claim = Claim.from_json((CLAIMS_DIR / f"{prefix_of(n.home)}.json").read_text())
+    assert claim is not None and claim.pid == n.proc.pid
+    return claim
+
+
+def sdk(n: NodeProc) -> dict[str, Any]:
+    return {"api_key": n.api_key, "api_url": n.url, "sandbox_url": n.url}
+
+
+def run(sbx: Sandbox, word: str) -> str:
+    return str(sbx.commands.run(f"echo {word}", timeout=30).stdout.strip())
+
+
+def create(n: NodeProc) -> Sandbox:
+    return Sandbox.create("busybox", timeout=300, **sdk(n))
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
+def netns_names() -> set[str]:
+    return {e["name"] for e in json.loads(sh("ip", "-j", "netns", "list") or "[]")}
+
+
+def chain_rules(table: str, chain: str) -> int:
+    listing = json.loads(sh("nft", "-j", "list", "table", "inet", table))
+    return sum(1 for o in listing["nftables"] if o.get("rule", {}).get("chain") == chain)
+
+
+def metric(n: NodeProc, name: str) -> float:
+    text = httpx.get(f"{n.url}/metrics", headers={"X-API-Key": n.api_key}, timeout=10).text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def until(what: str, cond: Callable[[], bool], within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within:g}s")
+        time.sleep(0.1)
+
+
+def test_a_second_node_on_the_host_leaves_the_first_nodes_sandboxes_alone(nodes: Nodes) -> None:
+    home_a, home_b = nodes.home("a"), nodes.home("b")
+    a = nodes.start(home_a)
+    first = create(a)
+    assert run(first, "one") == "one"
+    pa = prefix_of(home_a)
+
+    b = nodes.start(home_b)
+    ca, cb = claim_of(a), claim_of(b)
+    assert (ca.prefix, cb.prefix) == (pa, prefix_of(home_b)) and pa != cb.prefix
+    assert ca.cidr != cb.cidr  # each picked a range of its own
+    # the first node's sandbox, its netns, veth and table were left alone
+    assert f"{pa}-0" in netns_names() and chain_rules(pa, "slot0") > 0
+    assert run(first, "still") == "still"
+    again = create(a)
+    assert run(again, "two") == "two"
+    other = create(b)
+    assert run(other, "three") == "three"
+    assert f"{cb.prefix}-0" in netns_names()
+
+    # a node may not take another's range or names: it says so and does not start
+    home_c = nodes.home("c")
+    with pytest.raises(RuntimeError, match=r"cannot start: .*sandboxes in " + re.escape(ca.cidr)):
+        nodes.start(home_c, AENV_SLOT_CIDR=ca.cidr)
+    with pytest.raises(RuntimeError, match=f"uses the network names prefix '{pa}'"):
+        nodes.start(home_c, AENV_NET_PREFIX=pa)
+    with pytest.raises(RuntimeError, match=f"home {home_a} .* runs on this home already"):
+        nodes.start(home_a)
+    assert run(first, "after") == "after"
+
+    other.kill()
+    nodes.stop(b)
+    assert run(first, "last") == "last" and run(again, "last") == "last"
+    first.kill()
+    again.kill()
