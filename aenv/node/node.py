@@ -47,7 +47,7 @@ from aenv.proto.requests import Limits, NewSandbox
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
 from aenv.runtimes.hostclaim import claim_host
-from aenv.runtimes.netns import HostNetwork, open_host_network
+from aenv.runtimes.netns import HostNetwork, NetSlot, network_metrics, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import reap_stale_mounts
@@ -175,6 +175,25 @@ class Node:
             "Journaled sandboxes that could not be taken back after a node restart",
         )
         self._image_metrics()
+        network_metrics(self.metrics, network)
+
+    # -- the host network's watchdog (aenv.runtimes.netns.HostNetwork.guard) -----
+
+    def network_lost(self, slot: NetSlot, why: str) -> None:
+        """Stop the sandbox whose network slot is gone for good (`HostNetwork.guard`)."""
+        from aenv.node.sandbox import Kill
+
+        for actor in list(self._sandboxes.values()):
+            if actor.sandbox_ip != slot.sandbox_ip:
+                continue
+            reason = f"was stopped: its network was removed from the host ({why})"
+            log.error("sandbox %s %s", actor.sandbox_id, reason)
+            self.lost[actor.sandbox_id] = reason
+            kill = Kill(reason=lc.StopReason.NETWORK_LOST, why=f"its network is gone: {why}")
+            self.start_background(
+                functools.partial(actor.mailbox.ask, kill, timeout=120),
+                f"stopping sandbox {actor.sandbox_id}",
+            )
 
     def _image_metrics(self) -> None:
         def cache(field: str) -> Any:
@@ -802,6 +821,11 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
         await node.durable.serve_lazy_layers()  # before anything mounts them
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
+        nursery.start_soon(
+            functools.partial(
+                network.guard, every_s=config.network_check_s, on_lost=node.network_lost
+            )
+        )
         if config.hibernate_memory_low_pct > 0:
             nursery.start_soon(
                 pressure.watch,

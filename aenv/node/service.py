@@ -495,8 +495,8 @@ class LocalSandboxService:
             actor = self._node.get(sandbox_id)
         except SandboxNotFound as e:
             raise NotFound(str(e)) from None
-        if actor.state.value not in ADDRESSABLE:
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        if actor.state.value not in ADDRESSABLE:  # being created, or stopping (and why)
+            raise NotFound(str(SandboxNotFound(sandbox_id, self._node.lost.get(sandbox_id))))
         return actor
 
 

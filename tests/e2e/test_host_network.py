@@ -183,3 +183,51 @@ def test_a_second_node_on_the_host_leaves_the_first_nodes_sandboxes_alone(nodes:
     assert run(first, "last") == "last" and run(again, "last") == "last"
     first.kill()
     again.kill()
+
+
+def test_the_node_repairs_its_network_under_running_sandboxes(nodes: Nodes) -> None:
+    home = nodes.home("w")
+    n = nodes.start(home, AENV_NETWORK_CHECK_INTERVAL="0.3")
+    p = prefix_of(home)
+    s1 = create(n)
+    assert run(s1, "up") == "up"
+
+    def repairs(what: str) -> float:
+        return metric(n, f'aenv_host_network_repairs_total{{what="{what}"}}')
+
+    # the whole table goes (an operator flushing it, another tool)
+    sh("nft", "delete", "table", "inet", p)
+    until("the table is back", lambda: repairs("table") >= 1)
+    assert chain_rules(p, "forward") == 5 and chain_rules(p, "slot0") == 6
+    assert run(s1, "table") == "table"
+    # the sandbox's own rules go
+    sh("nft", "flush", "chain", "inet", p, "slot0")
+    until("the slot's rules are back", lambda: repairs("slot_rules") >= 1)
+    assert chain_rules(p, "slot0") == 6
+    # the name of its network namespace goes (the namespace lives on in the sandbox)
+    sh("ip", "netns", "del", f"{p}-0")
+    until("the namespace has its name again", lambda: repairs("netns") >= 1)
+    assert f"{p}-0" in netns_names()
+    assert run(s1, "netns") == "netns"
+
+    # a veth that goes takes the sandbox's network with it: that sandbox is stopped
+    s2 = create(n)
+    assert run(s2, "two") == "two"
+    sh("ip", "link", "del", "dev", f"{p}h1")
+    headers = {"X-API-Key": n.api_key}
+
+    def gone() -> bool:
+        return httpx.get(f"{n.url}/sandboxes/{s2.sandbox_id}", headers=headers).status_code == 404
+
+    until("the sandbox without network is stopped", gone)
+    r = httpx.get(f"{n.url}/sandboxes/{s2.sandbox_id}", headers=headers)
+    assert "its network was removed from the host" in r.json()["message"]
+    assert f"its veth {p}h1 was deleted" in r.json()["message"]
+    assert metric(n, "aenv_host_network_slots_lost_total") == 1
+    assert metric(n, 'aenv_sandboxes_stopped_total{reason="network_lost"}') == 1
+    assert metric(n, "aenv_host_network_repairing") == 0
+    assert run(s1, "alive") == "alive"
+    s3 = create(n)
+    assert run(s3, "three") == "three"
+    s1.kill()
+    s3.kill()
