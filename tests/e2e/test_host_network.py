@@ -231,3 +231,35 @@ def test_the_node_repairs_its_network_under_running_sandboxes(nodes: Nodes) -> N
     assert run(s3, "three") == "three"
     s1.kill()
     s3.kill()
+
+
+def test_a_create_mends_what_it_can_and_says_what_it_cannot(nodes: Nodes) -> None:
+    home = nodes.home("c")
+    n = nodes.start(home, AENV_NETWORK_CHECK_INTERVAL="3600")  # no watchdog pass in the test
+    p = prefix_of(home)
+    headers = {"X-API-Key": n.api_key}
+    body = {"templateID": "busybox", "timeout": 120}
+    sh("nft", "delete", "table", "inet", p)
+    r = httpx.post(f"{n.url}/v2/sandboxes", json=body, headers=headers, timeout=120)
+    assert r.status_code == 201, r.text  # the create found the damage, repaired it, went on
+    assert metric(n, 'aenv_host_network_repairs_total{what="table"}') == 1
+    s1 = Sandbox.connect(r.json()["sandboxID"], **sdk(n))
+    assert run(s1, "mended") == "mended"
+
+    # something in the way the node cannot mend: the next slot's namespace name taken
+    sh("ip", "netns", "add", f"{p}-1")
+    try:
+        r = httpx.post(f"{n.url}/v2/sandboxes", json=body, headers=headers, timeout=120)
+    finally:
+        subprocess.run(["ip", "netns", "del", f"{p}-1"], capture_output=True)
+    assert r.status_code == 500, r.text
+    message = r.json()["message"]
+    assert message.startswith(
+        "the node's network could not be set up for the sandbox: "
+        "creating its network namespace failed (ip: "
+    )
+    assert "\n" not in message and len(message) < 400
+    s2 = create(n)  # and the node goes on
+    assert run(s2, "next") == "next"
+    s1.kill()
+    s2.kill()
