@@ -32,7 +32,8 @@ class Config:
     checkpoint_compression: str = "none"
     runsc_binary: str = "runsc"
     # IPv4 range the network slots are carved from (one /30 per sandbox;
-    # AENV_SLOT_CIDR). None: the node picks a free /16 of `AUTO_SLOT_CIDRS` at start.
+    # AENV_SLOT_CIDR). None: the node picks a free /16 at start
+    # (`aenv.runtimes.hostclaim`, from `aenv.proto.netstate.AUTO_SLOT_CIDRS`).
     slot_cidr: str | None = None
     # Prefix of this node's netns and veth names, name of its nftables table and
     # cgroup parent (AENV_NET_PREFIX). None: derived from the node's identity
