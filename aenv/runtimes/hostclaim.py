@@ -255,4 +255,5 @@ async def claim_host(
     try:
         yield held.claim
     finally:
-        held.release()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(held.release)

@@ -1,21 +1,24 @@
 """A node defends its host state: other nodes on the host, and damage done under it.
 
 Rules: each test runs its own nodes (never the session node), each in its own
-temp home linked to AENV_TEST_HOME, with no AENV_NET_PREFIX and no
-AENV_SLOT_CIDR, as a new user starts them: the names come from the home, the
-range is picked at start (a free /16 of 10.200-10.231, recorded in the node's
-claim under /run/aenv). Template warm-up and the pool are off, so a node's
-first sandbox has slot 0 and its second slot 1. Damage is done only to the
-test node's own names (its table, a slot's chain, a netns, a veth), never with
-`nft flush ruleset`, which would hit every table on the machine. Commands run
-through the e2b SDK pointed at one node per call. Loopback only. Nothing of
-any node may leak at the end.
+temp home linked to AENV_TEST_HOME, with no AENV_NET_PREFIX, as a new user
+starts them: their names come from their homes. Their address ranges are set
+(`CIDRS`, from AENV_TEST_HOSTNET_CIDRS: /16s no other test file uses), not
+picked: on a machine shared with test runs of older nodes, which claim
+nothing, a picked range can be taken by one of them after the pick (picking
+is tested in tests/runtimes/test_hostclaim.py). Template warm-up and the pool
+are off, so a node's first sandbox has slot 0 and its second slot 1. Damage
+is done only to the test node's own names (its table, a slot's chain, a
+netns, a veth), never with `nft flush ruleset`, which would hit every table
+on the machine. Commands run through the e2b SDK pointed at one node per
+call. Loopback only. Nothing of any node may leak at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -43,10 +46,13 @@ from tests.conftest import (
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
-# as a new user starts a node: no names prefix, no range (empty is unset)
+CIDRS = os.environ.get(
+    "AENV_TEST_HOSTNET_CIDRS", "10.252.0.0/16,10.253.0.0/16,10.254.0.0/16"
+).split(",")
+# as a new user starts a node: no names prefix (empty is unset)
 ENV = {
     "AENV_NET_PREFIX": "",
-    "AENV_SLOT_CIDR": "",
+    "AENV_SLOT_CIDR": CIDRS[0],
     "AENV_WARM_TEMPLATES": "0",
     "AENV_POOL_SIZE": "0",
 }
@@ -155,10 +161,10 @@ def test_a_second_node_on_the_host_leaves_the_first_nodes_sandboxes_alone(nodes:
     assert run(first, "one") == "one"
     pa = prefix_of(home_a)
 
-    b = nodes.start(home_b)
+    b = nodes.start(home_b, AENV_SLOT_CIDR=CIDRS[1])
     ca, cb = claim_of(a), claim_of(b)
     assert (ca.prefix, cb.prefix) == (pa, prefix_of(home_b)) and pa != cb.prefix
-    assert ca.cidr != cb.cidr  # each picked a range of its own
+    assert (ca.cidr, cb.cidr) == (CIDRS[0], CIDRS[1])
     # the first node's sandbox, its netns, veth and table were left alone
     assert f"{pa}-0" in netns_names() and chain_rules(pa, "slot0") > 0
     assert run(first, "still") == "still"
@@ -173,7 +179,7 @@ def test_a_second_node_on_the_host_leaves_the_first_nodes_sandboxes_alone(nodes:
     with pytest.raises(RuntimeError, match=r"cannot start: .*sandboxes in " + re.escape(ca.cidr)):
         nodes.start(home_c, AENV_SLOT_CIDR=ca.cidr)
     with pytest.raises(RuntimeError, match=f"uses the network names prefix '{pa}'"):
-        nodes.start(home_c, AENV_NET_PREFIX=pa)
+        nodes.start(home_c, AENV_NET_PREFIX=pa, AENV_SLOT_CIDR=CIDRS[2])
     with pytest.raises(RuntimeError, match=f"home {home_a} .* runs on this home already"):
         nodes.start(home_a)
     assert run(first, "after") == "after"
@@ -183,6 +189,22 @@ def test_a_second_node_on_the_host_leaves_the_first_nodes_sandboxes_alone(nodes:
     assert run(first, "last") == "last" and run(again, "last") == "last"
     first.kill()
     again.kill()
+
+
+def test_a_restarted_node_takes_its_sandboxes_back_under_the_same_names(nodes: Nodes) -> None:
+    home = nodes.home("r")
+    n = nodes.start(home)
+    s = create(n)
+    assert run(s, "before") == "before"
+    claim = claim_of(n)
+    nodes.running.remove(n)
+    n.proc.kill()  # a crash: the claim file stays, its lock goes with the process
+    n.proc.wait()
+    n = nodes.start(home)
+    assert claim_of(n) == Claim(prefix=claim.prefix, home=claim.home, cidr=CIDRS[0], pid=n.proc.pid)
+    s = Sandbox.connect(s.sandbox_id, **sdk(n))  # the node listens on another port now
+    assert run(s, "after") == "after"  # taken back: same netns, veth and address
+    s.kill()
 
 
 def test_the_node_repairs_its_network_under_running_sandboxes(nodes: Nodes) -> None:
@@ -224,7 +246,8 @@ def test_the_node_repairs_its_network_under_running_sandboxes(nodes: Nodes) -> N
     assert "its network was removed from the host" in r.json()["message"]
     assert f"its veth {p}h1 was deleted" in r.json()["message"]
     assert metric(n, "aenv_host_network_slots_lost_total") == 1
-    assert metric(n, 'aenv_sandboxes_stopped_total{reason="network_lost"}') == 1
+    stopped = 'aenv_sandboxes_stopped_total{reason="network_lost"}'
+    until("its teardown is done", lambda: metric(n, stopped) == 1)
     assert metric(n, "aenv_host_network_repairing") == 0
     assert run(s1, "alive") == "alive"
     s3 = create(n)
