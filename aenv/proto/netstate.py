@@ -302,16 +302,25 @@ def claim_conflicts(
     *, prefix: str, home: str, cidr: str | None, others: Sequence[Claim]
 ) -> list[str]:
     """Why this node cannot hold `prefix`, `home` and `cidr` (None: not chosen
-    yet) beside the live nodes `others`, in words ([] if it can)."""
+    yet) beside the live nodes `others`, in words with the setting to change
+    ([] if it can)."""
     found: list[str] = []
     for other in others:
         if other.home == home:  # the rest follows from that
-            found.append(f"{_who(other)} runs on this home already")
+            found.append(
+                f"{_who(other)} runs on this home already (each node needs its own AENV_HOME)"
+            )
             continue
         if other.prefix == prefix:
-            found.append(f"{_who(other)} uses the network names prefix {prefix!r}")
+            found.append(
+                f"{_who(other)} uses the network names prefix {prefix!r} (give each node its "
+                "own AENV_NET_PREFIX, or unset it to derive one from AENV_HOME)"
+            )
         if cidr is not None and _overlap(cidr, other.cidr):
-            found.append(f"{_who(other)} has its sandboxes in {other.cidr}")
+            found.append(
+                f"{_who(other)} has its sandboxes in {other.cidr} (set AENV_SLOT_CIDR to a "
+                "free range, or unset it to have one picked)"
+            )
     return found
 
 

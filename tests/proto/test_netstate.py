@@ -195,7 +195,10 @@ def test_claims_conflict_on_home_prefix_or_overlapping_range() -> None:
     found = claim_conflicts(
         prefix="aenv1a2b3c", home="/var/lib/aenv", cidr="10.231.0.0/16", others=[other]
     )
-    assert found == ["the aenv node with home /var/lib/aenv (pid 42) runs on this home already"]
+    assert found == [
+        "the aenv node with home /var/lib/aenv (pid 42) runs on this home already "
+        "(each node needs its own AENV_HOME)"
+    ]
     # the range is not chosen yet: only names and home count
     assert claim_conflicts(prefix="x", home="/srv/b", cidr=None, others=[other]) == []
 
