@@ -86,10 +86,15 @@ def serve(
     """Run a node in the foreground."""
     from aenv.api.server import serve as run_serve
     from aenv.config import Config
+    from aenv.runtimes.hostclaim import HostConflict
 
     setup_logging(log_level, json_logs or not sys.stderr.isatty())
     config = Config.from_env(listen=listen, home=home)
-    trio.run(run_serve, config)
+    try:
+        trio.run(run_serve, config)
+    except HostConflict as exc:  # another node holds what this one needs: say what, no trace
+        logging.getLogger("aenv.server").error("%s", exc)
+        raise SystemExit(2) from None
 
 
 # -- client commands -----------------------------------------------------------

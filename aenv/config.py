@@ -6,6 +6,7 @@ them. Paths all hang off `home` so a test can run a whole node in a temp dir.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +31,19 @@ class Config:
     # fastest; "flate-best-speed" (runsc's default) writes about 4x less.
     checkpoint_compression: str = "none"
     runsc_binary: str = "runsc"
-    # IPv4 /16 the network slots are carved from (one /30 per sandbox).
-    slot_cidr: str = "10.231.0.0/16"
-    # Prefix of netns/veth names and name of the nftables table (one per node).
-    net_prefix: str = "aenv"
+    # IPv4 range the network slots are carved from (one /30 per sandbox;
+    # AENV_SLOT_CIDR). None: the node picks a free /16 at start
+    # (`aenv.runtimes.hostclaim`, from `aenv.proto.netstate.AUTO_SLOT_CIDRS`).
+    slot_cidr: str | None = None
+    # Prefix of this node's netns and veth names, name of its nftables table and
+    # cgroup parent (AENV_NET_PREFIX). None: derived from the node's identity
+    # (`effective_net_prefix`), so two nodes on one host never share a name.
+    net_prefix: str | None = None
+    # The node's identity in a cluster (AENV_NODE_ID); None: its home's path.
+    node_id: str | None = None
+    # How often the node checks its host network (nftables table, slots'
+    # rules, netns and veths) and repairs it (AENV_NETWORK_CHECK_INTERVAL, s).
+    network_check_s: float = 5.0
     # Operator bound on every sandbox's egress (CIDRs); a sandbox's own allowOut
     # can never reach beyond it. Private ranges are refused regardless.
     egress_cap: tuple[str, ...] = ("0.0.0.0/0",)
@@ -118,6 +128,15 @@ class Config:
         return self.home / "cache"
 
     @property
+    def effective_net_prefix(self) -> str:
+        """`net_prefix` if set, else "aenv" and a stable hash of the node's identity
+        (`node_id`, else the resolved home): 10 characters, so slot i's veth
+        `{prefix}h{i}` fits an interface name (15) for up to 10000 slots."""
+        if self.net_prefix:
+            return self.net_prefix
+        return derive_net_prefix(self.node_id or str(self.home.resolve()))
+
+    @property
     def effective_store_url(self) -> str | None:
         """The object store's URL, or None when durable storage is off."""
         if self.store_url is None:
@@ -151,10 +170,17 @@ class Config:
             kw["checkpoint_compression"] = value
         if "AENV_RUNSC" in env:
             kw["runsc_binary"] = env["AENV_RUNSC"]
-        if "AENV_SLOT_CIDR" in env:
-            kw["slot_cidr"] = env["AENV_SLOT_CIDR"]
-        if "AENV_NET_PREFIX" in env:
+        if env.get("AENV_SLOT_CIDR"):
+            kw["slot_cidr"] = env["AENV_SLOT_CIDR"].strip()
+        if env.get("AENV_NET_PREFIX"):
             kw["net_prefix"] = env["AENV_NET_PREFIX"]
+        if env.get("AENV_NODE_ID"):
+            kw["node_id"] = env["AENV_NODE_ID"]
+        if env.get("AENV_NETWORK_CHECK_INTERVAL"):
+            every = float(env["AENV_NETWORK_CHECK_INTERVAL"])
+            if not every > 0:
+                raise ValueError(f"AENV_NETWORK_CHECK_INTERVAL must be positive, not {every:g}")
+            kw["network_check_s"] = every
         if "AENV_EGRESS_CAP" in env:
             kw["egress_cap"] = tuple(
                 c.strip() for c in env["AENV_EGRESS_CAP"].split(",") if c.strip()
@@ -201,6 +227,11 @@ class Config:
             kw["registry_auth_file"] = Path(env["AENV_REGISTRY_AUTH_FILE"])
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)  # type: ignore[arg-type]
+
+
+def derive_net_prefix(identity: str) -> str:
+    """The network names prefix of the node known as `identity` (its ID or home)."""
+    return "aenv" + hashlib.sha256(identity.encode()).hexdigest()[:6]
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

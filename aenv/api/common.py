@@ -101,7 +101,7 @@ _STATUS: tuple[tuple[type[sv.ServiceError], int], ...] = (
 
 def service_error_response(e: sv.ServiceError) -> Response:
     status = next((code for kind, code in _STATUS if isinstance(e, kind)), 500)
-    retry_after = e.retry_after if isinstance(e, sv.Busy) else None
+    retry_after = e.retry_after if isinstance(e, sv.Busy | sv.Unavailable) else None
     # the node has retried the registry already: the SDK's own retries would
     # only multiply the wait for the same answer
     should_retry = False if isinstance(e, sv.UpstreamFailed) else None

@@ -39,6 +39,11 @@ class EnvdUnavailable(Exception):
 class NetworkSlots(Protocol):
     """Per-sandbox network namespaces with egress rules."""
 
+    @property
+    def repairing(self) -> bool:
+        """Whether the host network is being repaired (a failed setup may be retried)."""
+        ...
+
     def open_slot(self, policy: EgressPolicy) -> AbstractAsyncContextManager[NetSlot]:
         """A fresh slot with `policy`; leaving the block deletes it."""
         ...

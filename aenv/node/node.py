@@ -51,7 +51,8 @@ from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import Limits, NewSandbox
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
-from aenv.runtimes.netns import open_host_network
+from aenv.runtimes.hostclaim import claim_host
+from aenv.runtimes.netns import NetSlot, network_metrics, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import OverlayRoots
@@ -187,6 +188,24 @@ class Node:
             "Journaled sandboxes that could not be taken back after a node restart",
         )
         self._image_metrics()
+
+    # -- the host network's watchdog (aenv.runtimes.netns.HostNetwork.guard) -----
+
+    def network_lost(self, slot: NetSlot, why: str) -> None:
+        """Stop the sandbox whose network slot is gone for good (`HostNetwork.guard`)."""
+        from aenv.node.sandbox import Kill
+
+        for actor in list(self._sandboxes.values()):
+            if actor.sandbox_ip != slot.sandbox_ip:
+                continue
+            reason = f"was stopped: its network was removed from the host ({why})"
+            log.error("sandbox %s %s", actor.sandbox_id, reason)
+            self.lost[actor.sandbox_id] = reason
+            kill = Kill(reason=lc.StopReason.NETWORK_LOST, why=f"its network is gone: {why}")
+            self.start_background(
+                functools.partial(actor.mailbox.ask, kill, timeout=120),
+                f"stopping sandbox {actor.sandbox_id}",
+            )
 
     def _image_metrics(self) -> None:
         def cache(field: str) -> Any:
@@ -771,7 +790,19 @@ class Node:
 
 @asynccontextmanager
 async def open_node(config: Config) -> AsyncIterator[Node]:
-    """A node on this machine: runsc, overlay mounts, network namespaces, images."""
+    """A node on this machine: runsc, overlay mounts, network namespaces, images.
+    Its names, home and address range are its own while it runs."""
+    async with (
+        claim_host(
+            prefix=config.effective_net_prefix, home=config.home, cidr=config.slot_cidr
+        ) as claim,
+        _open_node(config, prefix=claim.prefix, slot_cidr=claim.cidr) as node,
+    ):
+        yield node
+
+
+@asynccontextmanager
+async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIterator[Node]:
     for d in (config.home, config.sandboxes_dir, config.run_dir):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(config.home, 0o711)
@@ -781,22 +812,31 @@ async def open_node(config: Config) -> AsyncIterator[Node]:
         platform=config.runsc_platform,
         compression=config.checkpoint_compression,
         state_root=config.run_dir / "runsc",
-        cgroup_parent=config.net_prefix,
+        cgroup_parent=prefix,
     )
     roots = OverlayRoots()
     live = await reap_leftovers(config, runtime=runtime, roots=roots)
     async with (
         open_images(config) as images,
         open_host_network(
-            cidr=config.slot_cidr,
-            prefix=config.net_prefix,
-            table=config.net_prefix,
+            cidr=slot_cidr,
+            prefix=prefix,
+            table=prefix,
             egress_cap=config.egress_cap,
             adopt=adoptable_slots(live),
         ) as network,
     ):
         host = Host(runtime=runtime, network=network, roots=roots, envd=HttpEnvd())
         async with open_node_on(host, config, images=images, api_key=api_key) as node:
+
+            async def guard(_stop: StopToken) -> None:
+                await network.guard(every_s=config.network_check_s, on_lost=node.network_lost)
+
+            network_metrics(node.metrics, network)
+            assert node.services is not None
+            node.services.start_soon(
+                "network-guard", guard, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
+            )
             yield node
 
 

@@ -116,7 +116,9 @@ class ExtendTimeout:
 
 @dataclass(frozen=True)
 class Kill:
-    pass
+    reason: lc.StopReason = lc.StopReason.KILLED
+    # said in the sandbox's log when the node stops it (not its user)
+    why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1083,8 +1085,10 @@ class SandboxActor:
                         self.lifecycle.step(lc.SetTimeout(now, timeout_s))
                         await self._journal("running")
                     req.reply(None)
-                case Kill():
-                    self.lifecycle.step(lc.Kill())
+                case Kill(reason, why):
+                    if why:
+                        self._log(why, level="error")
+                    self.lifecycle.step(lc.Kill(reason))
                     self._killers.append(req)  # answered once teardown is done
                 case SetNetwork(policy, allow_internet):
                     if paused and not self.frozen_pause:

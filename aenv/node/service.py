@@ -60,6 +60,9 @@ from aenv.proto.ids import InvalidName, is_sandbox_id
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import Limits, NewSandbox
 from aenv.runtimes.base import Usage
+from aenv.runtimes.gvisor import GVisorError
+from aenv.runtimes.netns import NetworkSetupError
+from aenv.storage.overlay import OverlayError
 from aenv.storage.templates import TemplateNotFound
 
 log = logging.getLogger("aenv.service")
@@ -128,7 +131,33 @@ class UpstreamFailed(ServiceError):
 
 
 class Unavailable(ServiceError):
-    """The result is not there yet (a snapshot not durable in time)."""
+    """The result is not there yet (a snapshot not durable in time, the node's
+    network under repair); `retry_after` seconds, when known, is worth a retry."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# how long a create that failed while the node repairs its network should wait
+REPAIR_RETRY_S = 5.0
+
+
+def setup_error(exc: Exception, *, network_repairing: bool) -> ServiceError:
+    """The service error for a sandbox whose host side could not be set up: what
+    failed, in words, with the tool's complaint cut to its first line."""
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if isinstance(exc, NetworkSetupError):
+        message = f"the node's network could not be set up for the sandbox: {detail}"
+        if network_repairing:
+            return Unavailable(
+                f"{message}; the node is repairing its network, retry shortly",
+                retry_after=REPAIR_RETRY_S,
+            )
+        return Failed(message)
+    if isinstance(exc, OverlayError):
+        return Failed(f"the sandbox's file system could not be mounted: {detail}")
+    return Failed(f"the sandbox's runtime could not start it: {detail}")
 
 
 def pull_error(exc: PullError) -> ServiceError:
@@ -348,6 +377,9 @@ class LocalSandboxService:
             raise pull_error(e) from None
         except mailbox.Busy as e:
             raise Busy(str(e), e.retry_after) from None
+        except (NetworkSetupError, OverlayError, GVisorError) as e:
+            log.error("create failed: %s", e)
+            raise setup_error(e, network_repairing=node.network.repairing) from None
         except Exception as e:
             log.exception("create failed")
             raise Failed(f"failed to create sandbox: {e}") from None
@@ -495,8 +527,8 @@ class LocalSandboxService:
             actor = self._node.get(sandbox_id)
         except SandboxNotFound as e:
             raise NotFound(str(e)) from None
-        if actor.state.value not in ADDRESSABLE:
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        if actor.state.value not in ADDRESSABLE:  # being created, or stopping (and why)
+            raise NotFound(str(SandboxNotFound(sandbox_id, self._node.lost.get(sandbox_id))))
         return actor
 
 

@@ -45,6 +45,7 @@ class StopReason(enum.Enum):
     NODE_SHUTDOWN = "node shutting down"
     CREATE_FAILED = "create failed"
     CRASHED = "runtime failed"
+    NETWORK_LOST = "its network was removed from the host"
 
 
 class InvalidTransition(Exception):

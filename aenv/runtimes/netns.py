@@ -12,6 +12,18 @@ a chain with that sandbox's egress policy. gVisor's netstack later takes over
 the slot's block deletes all of it, also on cancellation (shielded, with a
 deadline); `set_policy` swaps a slot's rules in one atomic nft transaction.
 Everything runs through `ip` and `nft -f -` subprocesses.
+
+The host is shared: an operator's `nft flush ruleset` or another tool can
+take the table, a slot's rules, a namespace's name or a veth away while the
+node runs. `HostNetwork.check` compares what should exist with what does
+(`aenv.proto.netstate.diagnose`) and repairs it: the table is written again
+with every open slot's rules in one transaction, a slot's missing rules are
+added again, a namespace whose name was deleted (the namespace itself lives
+on while the sandbox's processes are in it) gets its name back. A slot whose
+veth is gone has lost its network for good: `on_lost` hears of it. `guard`
+runs `check` every few seconds; a slot that fails to open runs it at once and
+tries again if it repaired something, so a create does not fail for what the
+node can mend.
 """
 
 from __future__ import annotations
@@ -19,10 +31,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
 import re
 import subprocess
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +43,21 @@ from typing import Final
 
 import trio
 
+from aenv.kit.metrics import Labels, Registry
 from aenv.proto.netpolicy import (
     EgressPolicy,
     render_slot_delete,
     render_slot_rules,
     render_table,
+)
+from aenv.proto.netstate import (
+    PREFIX_RE,
+    Diagnosis,
+    Shape,
+    SlotNames,
+    diagnose,
+    shape_of_listing,
+    shape_of_script,
 )
 
 log = logging.getLogger("aenv.runtimes.netns")
@@ -42,13 +65,20 @@ log = logging.getLogger("aenv.runtimes.netns")
 NETNS_DIR: Final = Path("/run/netns")
 GUEST_IFACE: Final = "eth0"
 CLEANUP_TIMEOUT_S: Final = 15.0
-_PREFIX_RE: Final = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 _TABLE_RE: Final = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
 _IFNAMSIZ: Final = 15
 
 
 class NetworkSetupError(RuntimeError):
-    """An `ip`/`nft` command failed while building or changing the host network."""
+    """An `ip`/`nft` command failed while building or changing the host network.
+
+    `detail` is the tool's complaint (its first line); the message says which
+    step failed, in words, when the step is known.
+    """
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail or message
 
 
 class NoFreeSlot(RuntimeError):
@@ -76,8 +106,19 @@ async def _run(argv: Sequence[str], *, stdin: str | None = None) -> str:
     )
     if proc.returncode != 0:
         err = proc.stderr.decode(errors="replace").strip()
-        raise NetworkSetupError(f"{' '.join(argv[:4])} failed ({proc.returncode}): {err}")
+        first = (err.splitlines() or [f"exit status {proc.returncode}"])[0][:200]
+        raise NetworkSetupError(
+            f"{' '.join(argv[:4])} failed ({proc.returncode}): {err}", detail=f"{argv[0]}: {first}"
+        )
     return str(proc.stdout.decode(errors="replace"))
+
+
+async def _step(what: str, argv: Sequence[str], *, stdin: str | None = None) -> str:
+    """`_run`, its failure told as the step `what` of setting a slot up."""
+    try:
+        return await _run(argv, stdin=stdin)
+    except NetworkSetupError as exc:
+        raise NetworkSetupError(f"{what} failed ({exc.detail})", detail=exc.detail) from exc
 
 
 async def _nft(script: str) -> None:
@@ -132,25 +173,77 @@ async def reap_stale(*, prefix: str, table: str, keep: Collection[int] = ()) -> 
     return removed
 
 
+# what `check` repairs, as counted in `HostNetwork.statistics()` (`repairs_<what>`)
+REPAIRS: Final = ("table", "slot_rules", "netns")
+
+
+def _netns_id(name: str) -> tuple[int, int] | None:
+    """The identity (device, inode) of the namespace named `name`, if it exists (blocking)."""
+    try:
+        st = os.stat(NETNS_DIR / name)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _pid_in_netns(ident: tuple[int, int]) -> int | None:
+    """A process in the network namespace `ident`, if any is (blocking)."""
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                st = os.stat(f"/proc/{entry.name}/ns/net")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == ident:
+                return int(entry.name)
+    return None
+
+
 class HostNetwork:
     """The node's network slots; get one with `open_host_network`."""
 
     def __init__(
-        self, *, cidr: ipaddress.IPv4Network, prefix: str, table: str, max_slots: int
+        self,
+        *,
+        cidr: ipaddress.IPv4Network,
+        prefix: str,
+        table: str,
+        max_slots: int,
+        egress_cap: Sequence[str] = ("0.0.0.0/0",),
     ) -> None:
         self._cidr = cidr
         self._prefix = prefix
         self._table = table
         self._max_slots = max_slots
+        self._table_script = render_table(table=table, cidr=str(cidr), egress_cap=egress_cap)
+        self._table_shape = shape_of_script(self._table_script, table=table)
         # Freed slots go to the back, so an address is reused as late as possible
         # (conntrack entries of the previous sandbox expire meanwhile).
         self._free: deque[int] = deque(range(max_slots))
         self._open: dict[int, NetSlot] = {}
         # slots an earlier node process made, kept for their sandboxes' adoption
         self._adoptable: dict[int, NetSlot] = {}
+        # the policy of every slot whose rules are (or are being) installed
+        self._policies: dict[int, EgressPolicy] = {}
+        # open slots whose netns and veth exist (made, adopted, not lost or leaving)
+        self._ready: set[int] = set()
+        # the namespace each ready slot's name pointed at, to give it its name back
+        self._netns_ids: dict[int, tuple[int, int]] = {}
         self._quarantined: set[int] = set()
         self._closed = False
         self._ipv6 = _ipv6_present()
+        # one nft transaction on the table at a time: a rewrite of the whole
+        # table must not undo a slot's rules applied meanwhile
+        self._nft_lock = trio.Lock()
+        self._check_lock = trio.Lock()
+        self._on_lost: Callable[[NetSlot, str], None] | None = None
+        self._repairing = False
+        self._repair_gen = 0
+        self._repairs = dict.fromkeys(REPAIRS, 0)
+        self._repair_failures = 0
+        self._lost = 0
         self._opened_total = 0
         self._policy_updates = 0
         self._cleanup_failures = 0
@@ -158,6 +251,15 @@ class HostNetwork:
     @property
     def cidr(self) -> str:
         return str(self._cidr)
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def repairing(self) -> bool:
+        """The latest check found damage it could not repair (yet)."""
+        return self._repairing
 
     def _slot(self, index: int) -> NetSlot:
         base = self._cidr.network_address + 4 * index
@@ -197,6 +299,7 @@ class HostNetwork:
             raise RuntimeError(f"network slot {index} was not kept for adoption")
         self._open[index] = slot
         async with self._owned(slot):
+            await self._made(slot)
             yield slot
 
     async def release_unadopted(self) -> None:
@@ -214,9 +317,26 @@ class HostNetwork:
         slot = self._slot(self._free.popleft())
         self._open[slot.index] = slot
         async with self._owned(slot):
-            await self._create(slot, policy)
+            repairs = self._repair_gen
+            try:
+                await self._create(slot, policy)
+            except NetworkSetupError as exc:
+                # the host's network may have been damaged under the node: mend it, try again
+                if not await self._repaired_since(repairs):
+                    raise
+                log.warning("slot %d: setting it up again after a repair (%s)", slot.index, exc)
+                await self._destroy(slot)
+                await self._create(slot, policy)
+            await self._made(slot)
             self._opened_total += 1
             yield slot
+
+    async def _made(self, slot: NetSlot) -> None:
+        """`slot`'s netns and veth exist from now on: the watchdog checks them."""
+        ident = await trio.to_thread.run_sync(_netns_id, slot.netns_name)
+        if ident is not None:
+            self._netns_ids[slot.index] = ident
+        self._ready.add(slot.index)
 
     @asynccontextmanager
     async def _owned(self, slot: NetSlot) -> AsyncIterator[None]:
@@ -224,6 +344,10 @@ class HostNetwork:
         try:
             yield
         finally:
+            # the watchdog neither checks nor restores what is being removed
+            self._ready.discard(slot.index)
+            self._policies.pop(slot.index, None)
+            self._netns_ids.pop(slot.index, None)
             with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
                 ok = await self._destroy(slot)
             del self._open[slot.index]
@@ -239,8 +363,12 @@ class HostNetwork:
         host_cidr = f"{slot.host_ip}/{slot.prefix_len}"
         guest_cidr = f"{slot.sandbox_ip}/{slot.prefix_len}"
         # Rules first: the interface is filtered from the moment it exists.
-        await _nft(self._rules(slot, policy))
-        await _run(["ip", "netns", "add", slot.netns_name])
+        async with self._nft_lock:
+            self._policies[slot.index] = policy
+            await _step(
+                "installing its firewall rules", ["nft", "-f", "-"], stdin=self._rules(slot, policy)
+            )
+        await _step("creating its network namespace", ["ip", "netns", "add", slot.netns_name])
         host = [
             f"link add {slot.host_veth} type veth peer name {GUEST_IFACE} netns {slot.netns_name}",
             f"addr add {host_cidr} dev {slot.host_veth}",
@@ -256,8 +384,16 @@ class HostNetwork:
             f"link set dev {GUEST_IFACE} up",
             f"route add default via {slot.host_ip} dev {GUEST_IFACE}",
         ]
-        await _run(["ip", "-batch", "-"], stdin="\n".join(host) + "\n")
-        await _run(["ip", "-n", slot.netns_name, "-batch", "-"], stdin="\n".join(guest) + "\n")
+        await _step(
+            "creating its virtual ethernet link",
+            ["ip", "-batch", "-"],
+            stdin="\n".join(host) + "\n",
+        )
+        await _step(
+            "configuring the sandbox's interface",
+            ["ip", "-n", slot.netns_name, "-batch", "-"],
+            stdin="\n".join(guest) + "\n",
+        )
 
     async def _destroy(self, slot: NetSlot) -> bool:
         """Best effort: try every step, report whether all that existed is gone."""
@@ -271,7 +407,11 @@ class HostNetwork:
         ok = True
         for argv, stdin in steps:
             try:
-                await _run(argv, stdin=stdin)
+                if argv[0] == "nft":
+                    async with self._nft_lock:
+                        await _run(argv, stdin=stdin)
+                else:
+                    await _run(argv, stdin=stdin)
             except NetworkSetupError as exc:
                 if not _is_missing(exc):
                     log.error("slot %d: %s", slot.index, exc)
@@ -285,8 +425,167 @@ class HostNetwork:
         """
         if self._open.get(slot.index) != slot or self._closed:
             raise RuntimeError(f"network slot {slot.index} is not open")
-        await _nft(self._rules(slot, policy))
+        repairs = self._repair_gen
+        try:
+            await self._apply_policy(slot, policy)
+        except NetworkSetupError:
+            if not await self._repaired_since(repairs):
+                raise
+            await self._apply_policy(slot, policy)
         self._policy_updates += 1
+
+    async def _apply_policy(self, slot: NetSlot, policy: EgressPolicy) -> None:
+        async with self._nft_lock:
+            await _step(
+                "replacing its firewall rules", ["nft", "-f", "-"], stdin=self._rules(slot, policy)
+            )
+            self._policies[slot.index] = policy
+
+    # -- the watchdog -------------------------------------------------------------
+
+    async def guard(self, *, every_s: float, on_lost: Callable[[NetSlot, str], None]) -> None:
+        """Run `check` every `every_s` seconds until cancelled or closed.
+
+        `on_lost(slot, why)` hears of each slot whose network is gone for good
+        (the sandbox in it has no network any more: stop it). A check that
+        fails is logged (once for each new error) and tried again.
+        """
+        self._on_lost = on_lost
+        last_error = ""
+        while not self._closed:
+            await trio.sleep(every_s)
+            try:
+                await self.check()
+                last_error = ""
+            except Exception as exc:
+                if repr(exc) != last_error:
+                    log.exception("checking the host network failed")
+                last_error = repr(exc)
+
+    async def _repaired_since(self, generation: int) -> bool:
+        """Check the host network now; whether it was repaired since `generation`
+        (by this check or another) and is whole again."""
+        try:
+            await self.check()
+        except Exception:
+            log.exception("checking the host network failed")
+            return False
+        return self._repair_gen != generation and not self._repairing
+
+    async def check(self) -> Diagnosis | None:
+        """Compare the host with what the node's open slots need, and repair it.
+
+        Returns what was found (None if the network is closed). A slot's
+        namespace or veth is checked only once the slot is made, and not
+        while it is being removed. Repairs are logged and counted; a slot
+        lost for good is reported to `on_lost` once.
+        """
+        async with self._check_lock:
+            if self._closed:
+                return None
+            before = set(self._ready)
+            async with self._nft_lock:
+                observed = await self._observe()
+                rules = {
+                    i: shape_of_script(self._rules(self._slot(i), p), table=self._table)
+                    for i, p in self._policies.items()
+                    if i in before
+                }
+            netns, links = set(await _list_netns()), set(await _list_links())
+            ready = before & self._ready
+            slots = {
+                i: SlotNames(netns=f"{self._prefix}-{i}", veth=f"{self._prefix}h{i}", rules=r)
+                for i, r in rules.items()
+                if i in ready
+            }
+            found = diagnose(
+                table=self._table_shape, slots=slots, observed=observed, netns=netns, links=links
+            )
+            if found.healthy:
+                self._repairing = False
+                return found
+            self._repairing = True
+            failed = False
+            if found.table is not None:
+                failed |= not await self._repair("table", found.table, self._rewrite_table())
+            for index, why in found.rules.items():
+                failed |= not await self._repair(
+                    "slot_rules", f"slot {index}: {why}", self._readd_rules(index)
+                )
+            for index in found.veth_gone:
+                self._lose(index, f"its veth {self._prefix}h{index} was deleted")
+            for index in found.netns_gone:
+                if index in found.veth_gone:
+                    continue
+                what = f"slot {index}: the name of its network namespace was deleted"
+                if not await self._repair("netns", what, self._reattach(index)):
+                    self._lose(index, f"its network namespace {self._prefix}-{index} is gone")
+            self._repairing = failed
+            if failed:
+                self._repair_failures += 1
+            else:
+                self._repair_gen += 1
+            return found
+
+    async def _observe(self) -> Shape | None:
+        """The node's table as the host has it (None: no such table)."""
+        try:
+            listing = await _run(["nft", "-j", "list", "table", "inet", self._table])
+        except NetworkSetupError as exc:
+            if _is_missing(exc):
+                return None
+            raise
+        return shape_of_listing(listing, table=self._table)
+
+    async def _repair(self, what: str, why: str, repair: Awaitable[bool]) -> bool:
+        log.warning("host network: %s; repairing", why)
+        try:
+            done = await repair
+        except Exception as exc:
+            log.error("host network: repairing (%s) failed: %s", why, exc)
+            return False
+        if done is False:
+            return False
+        self._repairs[what] += 1
+        log.warning("host network: repaired (%s)", what)
+        return True
+
+    async def _rewrite_table(self) -> bool:
+        """Write the table again with every slot's rules, in one transaction."""
+        async with self._nft_lock:
+            script = self._table_script + "".join(
+                "\n" + self._rules(self._slot(i), p) for i, p in sorted(self._policies.items())
+            )
+            await _nft(script)
+        return True
+
+    async def _readd_rules(self, index: int) -> bool:
+        async with self._nft_lock:
+            policy = self._policies.get(index)
+            if policy is None or index not in self._ready:
+                return True  # left meanwhile
+            await _nft(self._rules(self._slot(index), policy))
+        return True
+
+    async def _reattach(self, index: int) -> bool:
+        """Give slot `index`'s namespace its name back, from a process still in it."""
+        ident = self._netns_ids.get(index)
+        if ident is None:
+            return False
+        pid = await trio.to_thread.run_sync(_pid_in_netns, ident)
+        if pid is None:
+            return False
+        await _run(["ip", "netns", "attach", f"{self._prefix}-{index}", str(pid)])
+        return True
+
+    def _lose(self, index: int, why: str) -> None:
+        slot = self._open.get(index)
+        if slot is None or index not in self._ready or self._on_lost is None:
+            return  # (before `guard` runs, its first check finds the slot again)
+        self._ready.discard(index)
+        self._lost += 1
+        log.error("host network: slot %d lost its network: %s", index, why)
+        self._on_lost(slot, why)
 
     def statistics(self) -> dict[str, int]:
         return {
@@ -297,6 +596,10 @@ class HostNetwork:
             "slots_opened_total": self._opened_total,
             "policy_updates_total": self._policy_updates,
             "cleanup_failures_total": self._cleanup_failures,
+            **{f"repairs_{what}": n for what, n in self._repairs.items()},
+            "repair_failures_total": self._repair_failures,
+            "slots_lost_total": self._lost,
+            "repairing": int(self._repairing),
         }
 
     async def _close(self) -> None:
@@ -310,6 +613,41 @@ class HostNetwork:
         except NetworkSetupError as exc:
             if not _is_missing(exc):
                 raise
+
+
+def network_metrics(registry: Registry, network: HostNetwork) -> None:
+    """Put the watchdog's counts of `network` in `registry` (read at scrape time)."""
+
+    def read(*keys: str, label: str = "") -> Callable[[], list[tuple[Labels, float]]]:
+        def values() -> list[tuple[Labels, float]]:
+            s = network.statistics()
+            if not label:
+                return [((), float(s[keys[0]]))]
+            return [(((label, k.split("_", 1)[1]),), float(s[k])) for k in keys]
+
+        return values
+
+    registry.counter(
+        "aenv_host_network_repairs_total",
+        "Repairs of the node's host network: its nftables table, a slot's rules, "
+        "a network namespace's name",
+        read(*(f"repairs_{what}" for what in REPAIRS), label="what"),
+    )
+    registry.counter(
+        "aenv_host_network_repair_failures_total",
+        "Checks of the host network that found damage they could not repair",
+        read("repair_failures_total"),
+    )
+    registry.counter(
+        "aenv_host_network_slots_lost_total",
+        "Network slots whose veth or namespace vanished (their sandboxes were stopped)",
+        read("slots_lost_total"),
+    )
+    registry.gauge(
+        "aenv_host_network_repairing",
+        "1 while the node's host network has damage it has not repaired yet",
+        read("repairing"),
+    )
 
 
 @asynccontextmanager
@@ -331,7 +669,7 @@ async def open_host_network(
 
     Needs root, `ip` (iproute2) and `nft` (nftables). Leaves IPv4 forwarding on.
     """
-    if not _PREFIX_RE.match(prefix):
+    if not PREFIX_RE.match(prefix):
         raise ValueError(f"prefix must be 1-10 lowercase alphanumerics, got {prefix!r}")
     if not _TABLE_RE.match(table):
         raise ValueError(f"invalid nftables table name {table!r}")
@@ -345,15 +683,18 @@ async def open_host_network(
     if removed:
         log.warning("reaped stale network state: %s", ", ".join(removed))
     await trio.Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
-    network = HostNetwork(cidr=net, prefix=prefix, table=table, max_slots=max_slots)
+    network = HostNetwork(
+        cidr=net, prefix=prefix, table=table, max_slots=max_slots, egress_cap=egress_cap
+    )
     present = set(await _list_netns()) if adopt else set()
     kept = [network._slot(i) for i in sorted(adopt)]
     kept = [slot for slot in kept if slot.netns_name in present]
-    script = render_table(table=table, cidr=str(net), egress_cap=egress_cap)
+    script = network._table_script
     script += "".join("\n" + network._rules(slot, adopt[slot.index]) for slot in kept)
     await _nft(script)
     for slot in kept:
         network._adoptable[slot.index] = slot
+        network._policies[slot.index] = adopt[slot.index]
         network._free.remove(slot.index)
     try:
         yield network

@@ -241,6 +241,12 @@ async def test_service_errors_become_e2b_answers(app: QuartTrio, service: Sandbo
     service.refused = sv.Busy("sandbox is busy, retry in 3s", 3.0)
     r = await _call(app, "POST", f"/sandboxes/{sid}/refreshes")
     assert r.status_code == 429 and r.headers["Retry-After"] == "3"
+    service.refused = sv.Unavailable("the node is repairing its network", retry_after=5.0)
+    r = await _call(app, "POST", f"/sandboxes/{sid}/refreshes")
+    assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+    service.refused = sv.Unavailable("snapshot s1 is not durable yet")
+    r = await _call(app, "POST", f"/sandboxes/{sid}/refreshes")
+    assert r.status_code == 503 and "Retry-After" not in r.headers
 
 
 async def test_connect_and_resume(app: QuartTrio) -> None:

@@ -55,6 +55,8 @@ class FakeNetwork:
         self._adoptable: set[int] = set()
         self.generation = 0
         self.opened_total = 0
+        # the real one is repairing its host state (a failed setup answers 503)
+        self.repairing = False
 
     def slot(self, index: int) -> NetSlot:
         base = self._cidr.network_address + 4 * index

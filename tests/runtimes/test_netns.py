@@ -30,7 +30,13 @@ import pytest
 import trio
 
 from aenv.proto.netpolicy import EgressPolicy
-from aenv.runtimes.netns import HostNetwork, NetSlot, NoFreeSlot, open_host_network
+from aenv.runtimes.netns import (
+    HostNetwork,
+    NetSlot,
+    NetworkSetupError,
+    NoFreeSlot,
+    open_host_network,
+)
 
 pytestmark = pytest.mark.runsc
 
@@ -457,3 +463,97 @@ async def test_bad_parameters_touch_nothing() -> None:
             async with open_host_network(**kwargs):
                 pass  # pragma: no cover
     assert leftovers() == []
+
+
+# -- the watchdog: damage done under open slots, and its repair -------------------------
+
+
+def chain_rules(chain: str) -> int:
+    listing = json.loads(sh("nft", "-j", "list", "table", "inet", TABLE))
+    return sum(1 for o in listing["nftables"] if o.get("rule", {}).get("chain") == chain)
+
+
+async def test_a_deleted_table_comes_back_with_every_slots_rules(
+    hostnet: HostNetwork, internet: str
+) -> None:
+    async with (
+        hostnet.open_slot(EgressPolicy()) as open_,
+        hostnet.open_slot(EgressPolicy(allow_internet=False)) as closed,
+    ):
+        assert (await hostnet.check()).healthy  # type: ignore[union-attr]
+        sh("nft", "delete", "table", "inet", TABLE)  # as `nft flush ruleset` would
+        found = await hostnet.check()
+        assert found is not None and found.table == "the table is gone"
+        assert chain_rules("forward") == 5 and chain_rules("slot0") == 6
+        # each slot's policy holds again: the one without internet is still closed
+        assert await probe(open_.netns_name, internet) == f"ok:{INET_HOST_IP}"
+        assert await probe(closed.netns_name, internet) == "blocked"
+        stats = hostnet.statistics()
+        assert (stats["repairs_table"], stats["repairing"], stats["slots_lost_total"]) == (1, 0, 0)
+        assert (await hostnet.check()).healthy  # type: ignore[union-attr]
+
+
+async def test_a_slots_flushed_rules_are_added_again(hostnet: HostNetwork, internet: str) -> None:
+    async with hostnet.open_slot(EgressPolicy(allow_internet=False)) as slot:
+        sh("nft", "flush", "chain", "inet", TABLE, "slot0")
+        found = await hostnet.check()
+        assert found is not None and found.rules == {0: "chain slot0 has 0 of its 5 rules"}
+        assert chain_rules("slot0") == 5
+        assert await probe(slot.netns_name, internet) == "blocked"
+        assert hostnet.statistics()["repairs_slot_rules"] == 1
+
+
+async def test_a_deleted_namespace_name_is_given_back(hostnet: HostNetwork) -> None:
+    async with hostnet.open_slot(EgressPolicy()) as slot, trio.open_nursery() as nursery:
+        # a process in the namespace keeps it alive, as the sandbox's runtime does
+        argv = in_netns(slot.netns_name, "sleep", "60")
+        nursery.start_soon(partial(trio.run_process, argv, check=False))
+        inode = slot.netns_path.stat().st_ino
+        with trio.fail_after(5):
+            while True:
+                if sh("ip", "netns", "pids", slot.netns_name).strip():
+                    break
+                await trio.sleep(0.02)
+        sh("ip", "netns", "del", slot.netns_name)
+        assert not slot.netns_path.exists()
+        found = await hostnet.check()
+        assert found is not None and found.netns_gone == (0,)
+        assert slot.netns_path.stat().st_ino == inode  # the same namespace, named again
+        assert hostnet.statistics()["repairs_netns"] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_slot_whose_veth_vanished_is_reported_lost_once(hostnet: HostNetwork) -> None:
+    lost: list[tuple[int, str]] = []
+    heard = trio.Event()
+
+    def on_lost(slot: NetSlot, why: str) -> None:
+        lost.append((slot.index, why))
+        heard.set()
+
+    async with hostnet.open_slot(EgressPolicy()) as slot, trio.open_nursery() as nursery:
+        nursery.start_soon(partial(hostnet.guard, every_s=0.05, on_lost=on_lost))
+        sh("ip", "link", "del", "dev", slot.host_veth)
+        with trio.fail_after(5):
+            await heard.wait()
+        await trio.sleep(0.2)  # a few more checks: still reported once
+        nursery.cancel_scope.cancel()
+    assert lost == [(0, "its veth aenvnh0 was deleted")]
+    assert hostnet.statistics()["slots_lost_total"] == 1
+    assert hostnet.statistics()["slots_free"] == 1024  # leaving the slot freed it anyway
+
+
+async def test_a_slot_opened_on_a_damaged_host_is_repaired_and_made(hostnet: HostNetwork) -> None:
+    sh("nft", "delete", "table", "inet", TABLE)
+    async with hostnet.open_slot(EgressPolicy()) as slot:
+        assert slot.netns_path.exists() and chain_rules("slot0") == 6
+        assert hostnet.statistics()["repairs_table"] == 1
+    # a failure the node cannot mend is told in words
+    sh("ip", "netns", "add", "aenvn-1")  # in the way of the next slot's namespace
+    try:
+        with pytest.raises(NetworkSetupError, match=r"^creating its network namespace failed"):
+            async with hostnet.open_slot(EgressPolicy()):
+                pass  # pragma: no cover
+        assert hostnet.repairing is False
+    finally:
+        sh("ip", "netns", "del", "aenvn-1", check=False)
