@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,8 +41,21 @@ class Config:
     # cgroup parent (AENV_NET_PREFIX). None: derived from the node's identity
     # (`effective_net_prefix`), so two nodes on one host never share a name.
     net_prefix: str | None = None
-    # The node's identity in a cluster (AENV_NODE_ID); None: its home's path.
+    # The node's identity in a cluster (AENV_NODE_ID); None: the host name
+    # (`effective_node_id`). Its net prefix derives from it when set, else
+    # from the home's path.
     node_id: str | None = None
+    # Base URLs of existing nodes to join (AENV_CLUSTER_PEERS, comma-separated);
+    # empty: this node starts a cluster of its own (or runs alone).
+    cluster_peers: tuple[str, ...] = ()
+    # The secret every node of the cluster shares (AENV_CLUSTER_SECRET);
+    # required with peers. None: no cluster (a single node).
+    cluster_secret: str | None = None
+    # The URL peers use for this node (AENV_ADVERTISE_URL); None: from `listen`.
+    advertise_url: str | None = None
+    # Where cluster links are accepted besides the API port (AENV_CLUSTER_LISTEN,
+    # host:port); None: on the API port only.
+    cluster_listen: str | None = None
     # How often the node checks its host network (nftables table, slots'
     # rules, netns and veths) and repairs it (AENV_NETWORK_CHECK_INTERVAL, s).
     network_check_s: float = 5.0
@@ -137,6 +152,27 @@ class Config:
         return derive_net_prefix(self.node_id or str(self.home.resolve()))
 
     @property
+    def effective_node_id(self) -> str:
+        """`node_id`, else this machine's host name."""
+        return self.node_id or socket.gethostname().split(".")[0]
+
+    @property
+    def clustered(self) -> bool:
+        """Whether this node takes part in a cluster (it has a cluster secret)."""
+        return bool(self.cluster_secret)
+
+    @property
+    def effective_advertise_url(self) -> str:
+        """The URL peers reach this node at: `advertise_url`, else from `listen`
+        (a wildcard listen address advertises the host name)."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host, _, port = self.listen.rpartition(":")
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostname()
+        return f"http://{host}:{port}"
+
+    @property
     def effective_store_url(self) -> str | None:
         """The object store's URL, or None when durable storage is off."""
         if self.store_url is None:
@@ -176,6 +212,14 @@ class Config:
             kw["net_prefix"] = env["AENV_NET_PREFIX"]
         if env.get("AENV_NODE_ID"):
             kw["node_id"] = env["AENV_NODE_ID"]
+        if env.get("AENV_CLUSTER_PEERS"):
+            kw["cluster_peers"] = tuple(p.rstrip("/") for p in _csv(env["AENV_CLUSTER_PEERS"]))
+        if env.get("AENV_CLUSTER_SECRET"):
+            kw["cluster_secret"] = env["AENV_CLUSTER_SECRET"]
+        if env.get("AENV_ADVERTISE_URL"):
+            kw["advertise_url"] = env["AENV_ADVERTISE_URL"].strip()
+        if env.get("AENV_CLUSTER_LISTEN"):
+            kw["cluster_listen"] = env["AENV_CLUSTER_LISTEN"].strip()
         if env.get("AENV_NETWORK_CHECK_INTERVAL"):
             every = float(env["AENV_NETWORK_CHECK_INTERVAL"])
             if not every > 0:
@@ -226,7 +270,29 @@ class Config:
         if env.get("AENV_REGISTRY_AUTH_FILE"):
             kw["registry_auth_file"] = Path(env["AENV_REGISTRY_AUTH_FILE"])
         kw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kw)  # type: ignore[arg-type]
+        config = cls(**kw)  # type: ignore[arg-type]
+        config.check_cluster()
+        return config
+
+    def check_cluster(self) -> None:
+        """Refuse cluster settings that cannot work, saying what to change."""
+        if self.cluster_peers and not self.cluster_secret:
+            raise ValueError(
+                "AENV_CLUSTER_PEERS needs AENV_CLUSTER_SECRET (the same on every node)"
+            )
+        if self.cluster_secret and len(self.cluster_secret) < 16:
+            raise ValueError("AENV_CLUSTER_SECRET must be at least 16 characters")
+        if self.node_id is not None and not re.match(
+            r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", self.node_id
+        ):
+            raise ValueError(
+                f"AENV_NODE_ID {self.node_id!r} must be 1-63 letters, digits, '.', '_' or '-'"
+            )
+        for url in (*self.cluster_peers, *([self.advertise_url] if self.advertise_url else [])):
+            if not re.match(r"^https?://[^/\s]+/?$", url):
+                raise ValueError(
+                    f"cluster URL {url!r} must be a base URL like http://10.0.0.2:8000"
+                )
 
 
 def derive_net_prefix(identity: str) -> str:
