@@ -6,6 +6,7 @@ them. Paths all hang off `home` so a test can run a whole node in a temp dir.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -67,7 +68,9 @@ class Config:
     max_sandboxes: int = 256
     default_cpu: int = 2
     default_memory_mb: int = 512
-    node_tag: str = "n0"
+    # The last characters of this node's sandbox IDs (AENV_NODE_TAG), a hint of
+    # where a sandbox runs; None: derived from the node's id (`effective_node_tag`).
+    node_tag: str | None = None
     max_body_bytes: int = 1 << 20
     # Keep each template as a memory snapshot so its sandboxes restore, not boot.
     warm_templates: bool = True
@@ -151,10 +154,18 @@ class Config:
             return self.net_prefix
         return derive_net_prefix(self.node_id or str(self.home.resolve()))
 
-    @property
+    @functools.cached_property
     def effective_node_id(self) -> str:
         """`node_id`, else this machine's host name."""
         return self.node_id or socket.gethostname().split(".")[0]
+
+    @functools.cached_property
+    def effective_node_tag(self) -> str:
+        """`node_tag`, else 4 base-36 characters hashed from the node's id."""
+        if self.node_tag:
+            return self.node_tag
+        n = int.from_bytes(hashlib.sha256(self.effective_node_id.encode()).digest()[:8])
+        return "".join("0123456789abcdefghijklmnopqrstuvwxyz"[(n // 36**i) % 36] for i in range(4))
 
     @property
     def clustered(self) -> bool:

@@ -9,8 +9,6 @@ from aenv.node.service import PAUSED, LogEntry, SandboxInfo, SandboxMetrics, Sna
 from aenv.proto.envd_schema import ENVD_VERSION
 from aenv.storage.templates import Template
 
-CLIENT_ID = "aenv"
-
 
 def iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.UTC).isoformat().replace("+00:00", "Z")
@@ -26,7 +24,7 @@ def sandbox_created(a: SandboxInfo, domain: str | None) -> dict[str, Any]:
         "templateID": a.template_id,
         "sandboxID": a.sandbox_id,
         "alias": a.alias or a.template_id,
-        "clientID": CLIENT_ID,
+        "clientID": a.node,
         "envdVersion": a.envd_version,
         "envdAccessToken": a.envd_access_token,
         "trafficAccessToken": None if a.allow_public_traffic else a.traffic_access_token,
@@ -38,7 +36,7 @@ def _common(a: SandboxInfo) -> dict[str, Any]:
     d: dict[str, Any] = {
         "templateID": a.template_id,
         "sandboxID": a.sandbox_id,
-        "clientID": CLIENT_ID,
+        "clientID": a.node,
         "startedAt": iso(a.started_at),
         "endAt": iso(a.end_at),
         "cpuCount": a.cpu_count,

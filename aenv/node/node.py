@@ -515,7 +515,7 @@ class Node:
                 log.warning("template %s snapshot unusable (%s)", template.template_id, exc)
                 await self.snapshots.delete(str(warm["snapshotID"]))
         self._check_capacity()
-        sandbox_id = ids.new_sandbox_id(self.config.node_tag)
+        sandbox_id = ids.new_sandbox_id(self.config.effective_node_tag)
         return await self._launch(SandboxActor(self, sandbox_id, template, req))
 
     def _check_capacity(self) -> None:
@@ -525,7 +525,9 @@ class Node:
     async def boot_hidden(self, template: Template, *, timeout_s: int) -> SandboxActor:
         """A hidden sandbox of the node's own booted from `template` (`Launcher`)."""
         req = NewSandbox(template=template.template_id, timeout_s=timeout_s)
-        actor = SandboxActor(self, ids.new_sandbox_id(self.config.node_tag), template, req)
+        actor = SandboxActor(
+            self, ids.new_sandbox_id(self.config.effective_node_tag), template, req
+        )
         actor.hidden = True
         return await self._launch(actor)
 
@@ -580,7 +582,7 @@ class Node:
         async def one(i: int) -> None:
             try:
                 self._check_capacity()
-                sandbox_id = ids.new_sandbox_id(self.config.node_tag)
+                sandbox_id = ids.new_sandbox_id(self.config.effective_node_tag)
                 child = SandboxActor.fork_of(parent, sandbox_id, image, stack, fork.timeout_s)
                 results[i] = await self._launch(child)
             except Exception as exc:
@@ -658,7 +660,7 @@ class Node:
         layers = doc.get("layers") or []
         stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
         self._check_capacity()
-        sandbox_id = ids.new_sandbox_id(self.config.node_tag)
+        sandbox_id = ids.new_sandbox_id(self.config.effective_node_tag)
         return SandboxActor.from_snapshot(
             self,
             sandbox_id,

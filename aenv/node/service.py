@@ -199,6 +199,7 @@ class SandboxInfo:
     auto_resume: bool
     paused_in_memory: bool
     pause_mode: str  # what the next (or the latest) pause saves: "full" or "filesystem"
+    node: str  # the id of the node that runs it (E2B's clientID)
 
 
 @dataclass(frozen=True)
@@ -569,6 +570,7 @@ def _info(a: SandboxActor) -> SandboxInfo:
         auto_resume=a.auto_resume,
         paused_in_memory=a.paused_in_memory,
         pause_mode=a.pause_mode,
+        node=a.node.config.effective_node_id,
     )
 
 

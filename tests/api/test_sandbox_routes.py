@@ -62,6 +62,7 @@ class Sandboxes:
             auto_resume=req.auto_resume,
             paused_in_memory=False,
             pause_mode="full",
+            node="node-a",
         )
         self.boxes[info.sandbox_id] = info
         return info
