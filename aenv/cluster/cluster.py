@@ -1,0 +1,150 @@
+"""This node's view of the cluster: who is there, who holds a sandbox, where a new one goes.
+
+`Cluster` answers the router (`aenv.cluster.router.ClusterView`) from the
+membership (`aenv.cluster.membership`): each member gossips its URL, its
+sandbox ID tag and its load (`aenv.proto.placement.NodeLoad`). A sandbox ID
+ends in the tag of the node that created it (`aenv.proto.ids`), which is
+where a call for it is sent unless this node holds it.
+
+`measure_load` reads what this node gossips about itself: memory, CPU load,
+sandboxes, free disk, the templates it holds, whether it is draining.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aenv.cluster.router import Peer
+from aenv.node.node import Node, SandboxNotFound
+from aenv.node.pressure import read_meminfo
+from aenv.proto import placement
+from aenv.proto.ids import InvalidName, owner_tag
+
+
+@dataclass(frozen=True)
+class Member:
+    """One node as the membership knows it."""
+
+    id: str
+    url: str
+    state: str  # alive | suspect | dead | left
+    incarnation: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        return str(self.meta.get("tag", ""))
+
+    @property
+    def load(self) -> placement.NodeLoad:
+        return placement.NodeLoad.from_json(self.id, self.meta.get("load") or {})
+
+    def as_peer(self) -> Peer:
+        return Peer(self.id, self.url, self.state)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nodeID": self.id,
+            "url": self.url,
+            "state": self.state,
+            "incarnation": self.incarnation,
+            "tag": self.tag,
+            **({"load": self.meta["load"]} if "load" in self.meta else {}),
+        }
+
+
+def measure_load(node: Node, *, draining: bool = False) -> placement.NodeLoad:
+    """This node's capacity and load, to gossip (blocking reads of /proc; cheap)."""
+    available, total = read_meminfo()
+    st = os.statvfs(node.config.home)
+    return placement.NodeLoad(
+        node=node.config.effective_node_id,
+        mem_total=total,
+        mem_free=available,
+        cpus=os.cpu_count() or 1,
+        cpu_load=os.getloadavg()[0],
+        sandboxes=node.statistics()["sandboxes"],
+        max_sandboxes=node.config.max_sandboxes,
+        disk_free=st.f_bavail * st.f_frsize,
+        templates=frozenset(
+            name for t in node.templates.list() for name in (t.template_id, *t.aliases)
+        ),
+        draining=draining,
+    )
+
+
+class Cluster:
+    """`ClusterView` over this node and the members it knows."""
+
+    def __init__(
+        self,
+        node: Node,
+        members: Callable[[], Sequence[Member]],
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.node = node
+        self.node_id = node.config.effective_node_id
+        self.url = node.config.effective_advertise_url
+        self.tag = node.config.effective_node_tag
+        self._members = members
+        self._rng = rng or random.Random()
+        self.draining = False
+
+    def members(self) -> list[Member]:
+        return sorted(self._members(), key=lambda m: m.id)
+
+    def runs_here(self, sandbox_id: str) -> bool:
+        try:
+            self.node.get(sandbox_id)
+        except SandboxNotFound:
+            return sandbox_id in self.node.lost  # lost here: this node says why
+        return True
+
+    def owner_of(self, sandbox_id: str) -> Peer | None:
+        try:
+            tag = owner_tag(sandbox_id)
+        except InvalidName:
+            return None
+        if tag == self.tag:
+            return None
+        found = [m for m in self._members() if m.tag == tag and m.id != self.node_id]
+        # a node that came back under the same tag supersedes its dead past
+        found.sort(key=lambda m: (m.state in ("dead", "left"), m.id))
+        return found[0].as_peer() if found else None
+
+    def placement(self, body: bytes) -> Sequence[Peer]:
+        template, memory_mb = _template_of(body)
+        here = measure_load(self.node, draining=self.draining)
+        loads = {here.node: here}
+        urls = {here.node: Peer(self.node_id, self.url, "alive")}
+        for m in self._members():
+            if m.id != self.node_id and m.state == "alive":
+                loads[m.id] = m.load
+                urls[m.id] = m.as_peer()
+        ranked = placement.rank(
+            list(loads.values()), template=template, memory_mb=memory_mb, rng=self._rng
+        )
+        if not ranked:  # nobody reports room: try here (the node answers why not)
+            return [urls[self.node_id]]
+        return [urls[n.node] for n in ranked]
+
+
+def _template_of(body: bytes) -> tuple[str | None, int]:
+    try:
+        doc = json.loads(body or b"{}")
+    except ValueError:
+        return None, 512
+    if not isinstance(doc, dict):
+        return None, 512
+    template = doc.get("templateID")
+    memory = doc.get("memoryMB")
+    return (
+        template if isinstance(template, str) else None,
+        memory if isinstance(memory, int) and memory > 0 else 512,
+    )

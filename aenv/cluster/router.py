@@ -1,0 +1,239 @@
+"""The cluster router: an ASGI layer that sends each request to the node it belongs on.
+
+It sits in front of the node's own app (the sandbox proxy and the REST API)
+and sorts every request with `aenv.proto.clusterroute.classify`:
+
+- about one sandbox: served here when this node runs it, else forwarded
+  whole to the node that does (REST, envd traffic, SSE and WebSocket alike,
+  streamed both ways) with `HOP_HEADER` set, so the owner serves it and never
+  forwards again. A sandbox on a node that is dead or has left answers 503
+  at once, naming the node; one no node claims is this node's to answer
+  (404).
+- a create: placed (`Cluster.placement`) and served here or forwarded to
+  the chosen node; a node that cannot be reached or answers 503/507 is
+  skipped for the next candidate, with the request body replayed.
+- anything else: served here (lists are cluster-wide in the service layer).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import httpx
+
+from aenv.kit.asgiforward import (
+    CONNECTION_HEADERS,
+    Receive,
+    Scope,
+    Send,
+    forward_http,
+    forward_websocket,
+    send_error,
+    target_of,
+)
+from aenv.proto.clusterroute import HOP_HEADER, Create, Local, ToSandbox, classify
+from aenv.proto.routing import route
+
+log = logging.getLogger("aenv.cluster.router")
+
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+MAX_CREATE_BODY = 1 << 20
+# a node answering these to a create has no room or is going away: try the next
+RETRY_CREATE = frozenset({502, 503, 507})
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A node as the router needs it."""
+
+    id: str
+    url: str
+    state: str  # alive | suspect | dead | left
+
+
+class ClusterView(Protocol):
+    """What the router asks of the cluster."""
+
+    node_id: str
+
+    def runs_here(self, sandbox_id: str) -> bool:
+        """Whether this node runs (or holds paused) the sandbox."""
+        ...
+
+    def owner_of(self, sandbox_id: str) -> Peer | None:
+        """The other node that holds the sandbox, if any is known to."""
+        ...
+
+    def placement(self, body: bytes) -> Sequence[Peer]:
+        """Nodes to try for a create, best first (this node among them)."""
+        ...
+
+
+class ClusterRouter:
+    def __init__(
+        self,
+        app: ASGIApp,
+        cluster: ClusterView,
+        *,
+        http: httpx.AsyncClient,
+        domain: str | None,
+        counter: Callable[[str], None] = lambda kind: None,
+    ) -> None:
+        self.app = app
+        self.cluster = cluster
+        self.http = http
+        self.domain = domain
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        method = scope.get("method", "GET")
+        decision = classify(method, scope["path"], headers, self.domain)
+        if isinstance(decision, Local):
+            await self.app(scope, receive, send)
+        elif isinstance(decision, ToSandbox):
+            await self._to_owner(decision.sandbox_id, scope, receive, send)
+        elif isinstance(decision, Create):
+            await self._create(scope, receive, send)
+
+    async def _to_owner(self, sandbox_id: str, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.cluster.runs_here(sandbox_id):
+            await self.app(scope, receive, send)
+            return
+        owner = self.cluster.owner_of(sandbox_id)
+        if owner is None:
+            await self.app(scope, receive, send)  # nobody claims it: not found, here
+            return
+        if owner.state in ("dead", "left"):
+            message = (
+                f"sandbox {sandbox_id} runs on node {owner.id}, which is {owner.state} "
+                "(unreachable); try again once it is back"
+            )
+            if scope["type"] == "http":
+                await send_error(send, 503, message, sandboxId=sandbox_id)
+            else:
+                await send({"type": "websocket.close", "code": 1011, "reason": message[:120]})
+            return
+        self.counter(scope["type"])
+        await self._forward(owner, scope, receive, send)
+
+    async def _forward(self, peer: Peer, scope: Scope, receive: Receive, send: Send) -> None:
+        fwd = _forwarded_headers(scope, self.cluster.node_id)
+        if scope["type"] == "http":
+            await forward_http(
+                scope,
+                receive,
+                send,
+                base=peer.url,
+                client=self.http,
+                headers=fwd,
+                what=f"node {peer.id}",
+            )
+        else:
+            # the WebSocket handshake is made anew upstream, with its own Host:
+            # data-plane traffic routed by host keeps its route as headers
+            ws_headers = [
+                (k, v) for k, v in fwd if k != "host" and not k.startswith("sec-websocket-")
+            ]
+            target = route(dict(fwd), self.domain)
+            if target is not None and not any(k == "e2b-sandbox-id" for k, _ in fwd):
+                ws_headers += [
+                    ("e2b-sandbox-id", target.sandbox_id),
+                    ("e2b-sandbox-port", str(target.port)),
+                ]
+            u = urlsplit(peer.url)
+            await forward_websocket(
+                scope,
+                receive,
+                send,
+                host=u.hostname or "",
+                port=u.port or 80,
+                headers=ws_headers,
+                what=f"node {peer.id}",
+            )
+
+    async def _create(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            await send_error(send, 413, f"request body larger than {MAX_CREATE_BODY} bytes")
+            return
+        candidates = self.cluster.placement(body)
+        last_error = "no node of the cluster has room for another sandbox"
+        for peer in candidates:
+            if peer.id == self.cluster.node_id:
+                await self.app(scope, _replay(body, receive), send)
+                return
+            try:
+                resp = await self.http.request(
+                    scope["method"],
+                    peer.url + target_of(scope),
+                    headers=_forwarded_headers(scope, self.cluster.node_id),
+                    content=body,
+                    timeout=httpx.Timeout(connect=3.0, read=600.0, write=30.0, pool=10.0),
+                )
+            except httpx.TransportError as e:
+                log.warning("create on node %s failed (%s); trying the next", peer.id, e)
+                last_error = f"node {peer.id} unreachable: {e}"
+                continue
+            if resp.status_code in RETRY_CREATE:
+                log.warning(
+                    "node %s refused a create (%d); trying the next", peer.id, resp.status_code
+                )
+                last_error = f"node {peer.id}: {resp.text[:200]}"
+                continue
+            self.counter("create")
+            out = [
+                (k.encode("latin-1"), v.encode("latin-1"))
+                for k, v in resp.headers.multi_items()
+                if k.lower() not in CONNECTION_HEADERS and k.lower() != "content-encoding"
+            ]
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+            await send({"type": "http.response.body", "body": resp.content})
+            return
+        await send_error(send, 503, last_error)
+
+
+def _forwarded_headers(scope: Scope, node_id: str) -> list[tuple[str, str]]:
+    out = [
+        (k.decode("latin-1").lower(), v.decode("latin-1"))
+        for k, v in scope["headers"]
+        if k.decode("latin-1").lower() not in CONNECTION_HEADERS
+    ]
+    out.append((HOP_HEADER, node_id))
+    return out
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return b""
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > MAX_CREATE_BODY:
+            return None
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def again() -> MutableMapping[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
