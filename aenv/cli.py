@@ -43,8 +43,10 @@ from aenv.client.terminal import DETACH_HELP
 app = cyclopts.App(name="aenv", version=__version__, help="Self-hosted E2B-compatible sandboxes.")
 template_app = cyclopts.App(name="template", help="List and delete templates.")
 snapshot_app = cyclopts.App(name="snapshot", help="Create, list and delete snapshots.")
+cluster_app = cyclopts.App(name="cluster", help="The cluster this node belongs to.")
 app.command(template_app)
 app.command(snapshot_app)
+app.command(cluster_app)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -512,6 +514,16 @@ def snapshot_delete(snapshot: str, /, *, node: NodeOptions = _NODE) -> None:
     with node.client() as c:
         c.delete_snapshot(snapshot)
     _note(f"Deleted snapshot {snapshot}")
+
+
+# -- cluster -----------------------------------------------------------------------
+
+
+@cluster_app.command(name="members")
+def cluster_members(*, output: Output = None, node: NodeOptions = _NODE) -> None:
+    """List the cluster's nodes: id, URL, state, incarnation and load."""
+    with node.client() as c:
+        _emit(c.cluster_members(), output, render.members_table)
 
 
 # -- files -----------------------------------------------------------------------

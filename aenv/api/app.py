@@ -15,9 +15,20 @@ from __future__ import annotations
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from aenv.api import builds, exec_ws, health, images, logs, sandboxes, snapshots, templates
+from aenv.api import (
+    builds,
+    cluster,
+    exec_ws,
+    health,
+    images,
+    logs,
+    sandboxes,
+    snapshots,
+    templates,
+)
 from aenv.api.auth import api_key_refusal
 from aenv.api.common import Deps, error_response, install_deps, install_error_handlers
+from aenv.cluster.member import ClusterMember
 from aenv.node.node import Node
 from aenv.node.service import SandboxService
 
@@ -30,10 +41,13 @@ BLUEPRINTS = (
     builds.bp,  # template builds (Template.build)
     images.bp,
     exec_ws.bp,  # the exec WebSocket (docs/exec-protocol.md)
+    cluster.bp,  # members, each node's own sandboxes, the nodes' links
 )
 
 
-def create_app(service: SandboxService, node: Node) -> QuartTrio:
+def create_app(
+    service: SandboxService, node: Node, cluster: ClusterMember | None = None
+) -> QuartTrio:
     """The REST app: sandbox operations go to `service`; templates, snapshots,
     images, builds and metrics are `node`'s."""
     app = QuartTrio("aenv")
@@ -43,7 +57,10 @@ def create_app(service: SandboxService, node: Node) -> QuartTrio:
     app.url_map.merge_slashes = False
     app.url_map.strict_slashes = False
     key = node.api_key.encode()
-    install_deps(app, Deps(service=service, node=node, api_key=key, domain=node.config.domain))
+    install_deps(
+        app,
+        Deps(service=service, node=node, api_key=key, domain=node.config.domain, cluster=cluster),
+    )
 
     @app.before_request
     async def _auth() -> Response | None:

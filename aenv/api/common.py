@@ -19,6 +19,7 @@ from quart import Response, current_app, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from aenv.cluster.member import ClusterMember
 from aenv.kit.mailbox import Busy
 from aenv.node import service as sv
 from aenv.node.node import Node
@@ -38,6 +39,7 @@ class Deps:
     node: Node  # templates, snapshots, images, builds and metrics: not sandbox operations
     api_key: bytes
     domain: str | None
+    cluster: ClusterMember | None = None  # when the node is in a cluster
 
 
 def install_deps(app: QuartTrio, deps: Deps) -> None:

@@ -22,9 +22,11 @@ from hypercorn.trio import serve as hyper_serve
 
 from aenv.api.app import create_app
 from aenv.api.proxy import ASGIApp, SandboxProxy
+from aenv.cluster.member import ClusterMember, open_cluster_member
+from aenv.cluster.router import ClusterRouter
 from aenv.config import Config
 from aenv.node.node import Node, open_node
-from aenv.node.service import LocalSandboxService
+from aenv.node.service import LocalSandboxService, SandboxService
 
 log = logging.getLogger("aenv.server")
 
@@ -41,11 +43,32 @@ def hypercorn_config(listen: str) -> HyperConfig:
     return hc
 
 
-def build_asgi(node: Node) -> SandboxProxy:
-    """The REST app behind the sandbox proxy (which sees every request first)."""
-    service = LocalSandboxService(node)
-    app = cast(ASGIApp, create_app(service, node))
-    return SandboxProxy(app, service, domain=node.config.domain, proxied=node.m_proxied)
+def build_asgi(node: Node, member: ClusterMember | None = None) -> ASGIApp:
+    """The REST app behind the sandbox proxy (which sees every request first);
+    in a cluster, both behind the router (which sends each request where it
+    belongs)."""
+    local = LocalSandboxService(node)
+    service: SandboxService = local if member is None else member.service(local)
+    app = cast(ASGIApp, create_app(service, node, member))
+    proxy = SandboxProxy(app, local, domain=node.config.domain, proxied=node.m_proxied)
+    if member is None:
+        return proxy
+    return ClusterRouter(
+        proxy,
+        member.cluster,
+        http=member.http,
+        domain=node.config.domain,
+        counter=lambda kind: node.m_forwarded.inc(kind=kind),
+    )
+
+
+@contextlib.asynccontextmanager
+async def _cluster_of(config: Config, node: Node) -> AsyncIterator[ClusterMember | None]:
+    if not config.clustered:
+        yield None
+        return
+    async with open_cluster_member(config, node) as member:
+        yield member
 
 
 async def serve(
@@ -73,14 +96,18 @@ async def serve(
         else contextlib.nullcontext(None)
     )
     with receiver as signals:
-        async with open_node(config) as node, trio.open_nursery() as outer:
+        async with (
+            open_node(config) as node,
+            _cluster_of(config, node) as member,
+            trio.open_nursery() as outer,
+        ):
             if signals is not None:
                 outer.start_soon(_watch_signals, signals, shutdown)
             async with trio.open_nursery() as inner:
                 await inner.start(
                     partial(
                         hyper_serve,
-                        cast(Any, build_asgi(node)),
+                        cast(Any, build_asgi(node, member)),
                         hypercorn_config(config.listen),
                         shutdown_trigger=shutdown.wait,
                     )

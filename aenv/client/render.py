@@ -116,5 +116,33 @@ def snapshots_table(items: Sequence[dict[str, Any]]) -> str:
     return table(["SNAPSHOT ID", "NAME", "FROM SANDBOX", "CREATED"], rows)
 
 
+def _gib(n: Any) -> str:
+    return f"{n / 2**30:.1f}" if isinstance(n, int | float) else "-"
+
+
+def members_table(items: Sequence[dict[str, Any]]) -> str:
+    rows = []
+    for m in items:
+        raw = m.get("load")
+        load: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        sandboxes = f"{load.get('sandboxes', '-')}/{load.get('maxSandboxes', '-')}"
+        memory = f"{_gib(load.get('memFree'))}/{_gib(load.get('memTotal'))}"
+        state = str(m.get("state", ""))
+        if load.get("draining"):
+            state += " (draining)"
+        rows.append(
+            [
+                str(m.get("nodeID", "")),
+                str(m.get("url", "")),
+                state,
+                str(m.get("incarnation", "")),
+                sandboxes,
+                memory,
+                str(load.get("cpuLoad", "-")),
+            ]
+        )
+    return table(["NODE", "URL", "STATE", "INC", "SANDBOXES", "MEM FREE GiB", "LOAD"], rows)
+
+
 def dumps(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=False)

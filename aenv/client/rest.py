@@ -256,6 +256,13 @@ class Client:
             raise ProtocolViolation("snapshot list: the node did not answer a list")
         return [s for s in body if isinstance(s, dict)]
 
+    def cluster_members(self) -> list[dict[str, Any]]:
+        resp = self.request("GET", "/cluster/members", what="cluster members")
+        body = self._json(resp)
+        if not isinstance(body, list):
+            raise ProtocolViolation("cluster members: the node did not answer a list")
+        return [m for m in body if isinstance(m, dict)]
+
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/snapshots/{_seg(snapshot_id)}", what="snapshot delete")
 

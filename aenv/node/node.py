@@ -179,6 +179,10 @@ class Node:
         self.m_proxied = self.metrics.counter(
             "aenv_proxy_requests_total", "Requests proxied into sandboxes, by kind"
         )
+        self.m_forwarded = self.metrics.counter(
+            "aenv_cluster_forwarded_total",
+            "Requests forwarded to the node that holds the sandbox, or placed on another, by kind",
+        )
         self.m_taken_back = self.metrics.counter(
             "aenv_sandboxes_taken_back_total",
             "Sandboxes taken back after a node restart, by state (running, frozen, paused)",
@@ -624,18 +628,23 @@ class Node:
         self._nursery.start_soon(self._snapshot, doc, image, req)
 
     async def _snapshot(self, doc: dict[str, Any], image: Path | None, req: Request[Any]) -> None:
+        recorded: dict[str, Any] | Exception
         try:
             recorded = await self.snapshots.record(doc=doc, image=image)
             crash_point("snapshot.recorded")
             self.durable.spawn(recorded)  # uploads in the background
-            req.reply(recorded)
         except Exception as exc:
             log.exception("recording a snapshot failed")
-            req.fail(exc)
+            recorded = exc
         finally:
             if image is not None:  # the snapshot holds hard links to its files
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(shutil.rmtree, image, True)
+        # answered once the sandbox's copy is gone: nothing of it lingers after
+        if isinstance(recorded, Exception):
+            req.fail(recorded)
+        else:
+            req.reply(recorded)
 
     async def create_from_snapshot(
         self, doc: dict[str, Any], req: NewSandbox, *, template: Template | None = None

@@ -89,14 +89,7 @@ class ResumeError(Exception):
 
 def policy_of(doc: dict[str, Any]) -> EgressPolicy:
     """The egress policy a journal record holds (`SandboxActor.paused_record`)."""
-    p = doc["policy"]
-    return EgressPolicy(
-        allow_internet=bool(p["allowInternet"]),
-        allow_out=tuple(p["allowOut"]),
-        deny_out=tuple(p["denyOut"]),
-        allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
-        deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
-    )
+    return EgressPolicy.from_doc(doc["policy"])
 
 
 # -- mailbox messages ---------------------------------------------------------
@@ -841,13 +834,7 @@ class SandboxActor:
             "trafficToken": self.traffic_access_token,
             "metadata": self.metadata,
             "envVars": self.env_vars,
-            "policy": {
-                "allowInternet": p.allow_internet,
-                "allowOut": list(p.allow_out),
-                "denyOut": list(p.deny_out),
-                "allowOutGiven": None if p.allow_out_given is None else list(p.allow_out_given),
-                "denyOutGiven": None if p.deny_out_given is None else list(p.deny_out_given),
-            },
+            "policy": p.to_doc(),
             "allowInternetAccess": self.allow_internet_access,
             "allowPublicTraffic": self.allow_public_traffic,
             "autoPause": self.auto_pause,

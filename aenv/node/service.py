@@ -19,6 +19,7 @@ one being created or stopped is not found, as in E2B.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -200,6 +201,23 @@ class SandboxInfo:
     paused_in_memory: bool
     pause_mode: str  # what the next (or the latest) pause saves: "full" or "filesystem"
     node: str  # the id of the node that runs it (E2B's clientID)
+
+    def to_doc(self) -> dict[str, Any]:
+        """All of it as JSON, for another node of the cluster (`from_doc`)."""
+        doc = dataclasses.asdict(self)
+        doc["metadata"] = dict(self.metadata)
+        doc["policy"] = self.policy.to_doc()
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> SandboxInfo:
+        """What `to_doc` wrote (a peer's answer; a malformed one raises ValueError)."""
+        try:
+            fields = {f.name: doc[f.name] for f in dataclasses.fields(cls)}
+            fields["policy"] = EgressPolicy.from_doc(doc["policy"])
+            return cls(**fields)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed sandbox record: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -126,6 +126,27 @@ class EgressPolicy:
         # Direct construction gets the same normalisation as from_request.
         object.__setattr__(self, "allow_out", _normalise(self.allow_out, what="allowOut"))
         object.__setattr__(self, "deny_out", _normalise(self.deny_out, what="denyOut"))
+
+    def to_doc(self) -> dict[str, Any]:
+        """The policy as stored in a journal record or sent between nodes."""
+        return {
+            "allowInternet": self.allow_internet,
+            "allowOut": list(self.allow_out),
+            "denyOut": list(self.deny_out),
+            "allowOutGiven": None if self.allow_out_given is None else list(self.allow_out_given),
+            "denyOutGiven": None if self.deny_out_given is None else list(self.deny_out_given),
+        }
+
+    @classmethod
+    def from_doc(cls, p: Mapping[str, Any]) -> EgressPolicy:
+        """The policy `to_doc` wrote (trusted input: this node's or a peer's)."""
+        return cls(
+            allow_internet=bool(p["allowInternet"]),
+            allow_out=tuple(p["allowOut"]),
+            deny_out=tuple(p["denyOut"]),
+            allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
+            deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
+        )
 
     @classmethod
     def from_request(

@@ -62,3 +62,29 @@ def test_times() -> None:
 def test_explicit_format_wins() -> None:
     assert render.choose_format("table") == "table"
     assert render.choose_format("json") == "json"
+
+
+def test_members_table() -> None:
+    out = render.members_table(
+        [
+            {
+                "nodeID": "a",
+                "url": "http://10.0.0.1:8000",
+                "state": "alive",
+                "incarnation": 2,
+                "load": {
+                    "sandboxes": 3,
+                    "maxSandboxes": 256,
+                    "memFree": 8 * 2**30,
+                    "memTotal": 16 * 2**30,
+                    "cpuLoad": 0.5,
+                    "draining": True,
+                },
+            },
+            {"nodeID": "b", "url": "http://10.0.0.2:8000", "state": "dead", "incarnation": 0},
+        ]
+    )
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["NODE", "URL", "STATE", "INC"]
+    assert "alive (draining)" in lines[1] and "3/256" in lines[1] and "8.0/16.0" in lines[1]
+    assert lines[2].split()[:3] == ["b", "http://10.0.0.2:8000", "dead"]

@@ -1,0 +1,91 @@
+"""This node as a member of a cluster: everything the cluster adds to a node, opened together.
+
+`open_cluster_member(config, node)` starts the links (`Transport`, on the
+API port through the app's `/cluster/v1/link` WebSocket and, with
+`AENV_CLUSTER_LISTEN`, on a port of their own), the membership (joining the
+configured peers), the cluster view and the cluster's `SandboxService`, and
+yields them as a `ClusterMember` for the server to put in front of the node.
+Leaving the block leaves the cluster (gossiped, so peers stop routing here at
+once rather than after a failure detection) and closes the links.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import httpx
+import trio
+
+from aenv.cluster.cluster import Cluster, measure_load
+from aenv.cluster.membership import Membership
+from aenv.cluster.service import ClusterSandboxService
+from aenv.cluster.transport import Transport
+from aenv.config import Config
+from aenv.node.node import Node
+from aenv.node.service import SandboxService
+from aenv.proto.clusterwire import ClusterKey
+
+log = logging.getLogger("aenv.cluster")
+
+
+@dataclass
+class ClusterMember:
+    config: Config
+    transport: Transport
+    membership: Membership
+    cluster: Cluster
+    http: httpx.AsyncClient  # to other nodes' APIs
+
+    def service(self, local: SandboxService) -> ClusterSandboxService:
+        return ClusterSandboxService(local, self.cluster, http=self.http, api_key=self.api_key)
+
+    @property
+    def api_key(self) -> str:
+        return self.cluster.node.api_key
+
+
+@asynccontextmanager
+async def open_cluster_member(config: Config, node: Node) -> AsyncIterator[ClusterMember]:
+    assert config.cluster_secret, "open_cluster_member needs a cluster secret"
+    key = ClusterKey.from_secret(config.cluster_secret)
+    node_id = config.effective_node_id
+    url = config.effective_advertise_url
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=30.0) as http,
+        trio.open_nursery() as nursery,
+    ):
+        transport = Transport(key, node_id, url, nursery)
+        if config.cluster_listen:
+            host, _, port = config.cluster_listen.rpartition(":")
+            await nursery.start(transport.serve, host or "0.0.0.0", int(port))
+        holder: list[Cluster] = []
+        membership = Membership(
+            transport,
+            node_id=node_id,
+            url=url,
+            tag=config.effective_node_tag,
+            seeds=config.cluster_peers,
+            measure=lambda: measure_load(node, draining=holder[0].draining if holder else False),
+            remember=config.home / "cluster" / "members.json",
+        )
+        cluster = Cluster(node, membership.members)
+        holder.append(cluster)
+        await nursery.start(partial(membership.run))
+        log.info(
+            "node %s (%s) in the cluster; peers to join: %s",
+            node_id,
+            url,
+            ", ".join(config.cluster_peers) or "none (a new cluster)",
+        )
+        try:
+            yield ClusterMember(config, transport, membership, cluster, http)
+        finally:
+            with trio.CancelScope(shield=True):
+                await membership.leave()
+            transport.close()
+            nursery.cancel_scope.cancel()

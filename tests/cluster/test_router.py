@@ -1,0 +1,207 @@
+"""The cluster router over real HTTP servers on loopback (aenv.cluster.router).
+
+Two Hypercorn servers: "here" runs the router in front of a small app of its
+own, "there" is another node's app that echoes what it received. The
+cluster view is a table (who holds which sandbox, which nodes are dead).
+
+Rules: a call about a sandbox another node holds reaches that node whole
+(method, path, query, body, headers, Host) with the hop header, streamed
+both ways, WebSocket included; one held here, one nobody claims, and
+everything else are served here; a dead owner is a 503 naming it at once;
+a create goes to the first candidate that takes it, its body replayed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio_websocket
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve
+
+from aenv.cluster.router import ClusterRouter, Peer
+from aenv.kit.asgiforward import Receive, Scope, Send
+from aenv.proto.clusterroute import HOP_HEADER
+
+HERE_SID = "aaaaaaaaaaaaaaaahere"
+THERE_SID = "bbbbbbbbbbbbbbbbther"
+DEAD_SID = "ccccccccccccccccdead"
+NOBODY_SID = "dddddddddddddddd0000"
+
+
+def _echo_app(name: str, *, refuse_creates: bool = False) -> Any:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                await send({"type": msg["type"] + ".complete"})
+                if msg["type"] == "lifespan.shutdown":
+                    return
+        if scope["type"] == "websocket":
+            await receive()
+            await send({"type": "websocket.accept"})
+            headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+            await send({"type": "websocket.send", "text": json.dumps({"node": name, **headers})})
+            while True:
+                m = await receive()
+                if m["type"] == "websocket.disconnect":
+                    return
+                await send({"type": "websocket.send", "text": f"{name}:{m.get('text')}"})
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        if refuse_creates and scope["method"] == "POST":
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b"full"})
+            return
+        doc = {
+            "node": name,
+            "method": scope["method"],
+            "path": scope["path"],
+            "query": scope["query_string"].decode(),
+            "body": body.decode(),
+            "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
+        }
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        if scope["path"] == "/stream":
+            for i in range(3):
+                await send({"type": "http.response.body", "body": b"%d\n" % i, "more_body": True})
+                await trio.sleep(0.05)
+        await send({"type": "http.response.body", "body": json.dumps(doc).encode()})
+
+    return app
+
+
+class View:
+    node_id = "here"
+
+    def __init__(self, there: Peer, full: Peer) -> None:
+        self.there, self.full = there, full
+
+    def runs_here(self, sandbox_id: str) -> bool:
+        return sandbox_id == HERE_SID
+
+    def owner_of(self, sandbox_id: str) -> Peer | None:
+        if sandbox_id == THERE_SID:
+            return self.there
+        if sandbox_id == DEAD_SID:
+            return Peer("gone", "http://127.0.0.1:9", "dead")
+        return None
+
+    def placement(self, body: bytes) -> Sequence[Peer]:
+        return [self.full, self.there, Peer("here", "", "alive")]
+
+
+@asynccontextmanager
+async def _serving(nursery: trio.Nursery, app: Any) -> AsyncIterator[str]:
+    hc = HyperConfig()
+    hc.bind = ["127.0.0.1:0"]
+    async with trio.open_nursery() as inner:
+        binds = await inner.start(serve, app, hc)
+        yield binds[0]
+        inner.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def nodes() -> AsyncIterator[tuple[str, httpx.AsyncClient]]:
+    async with (
+        trio.open_nursery() as nursery,
+        httpx.AsyncClient() as http,
+        _serving(nursery, _echo_app("there")) as there,
+        _serving(nursery, _echo_app("full", refuse_creates=True)) as full,
+    ):
+        view = View(Peer("there", there, "alive"), Peer("full", full, "alive"))
+        router = ClusterRouter(_echo_app("here"), view, http=http, domain="sb.test")
+        async with _serving(nursery, router) as here:
+            yield here, http
+        nursery.cancel_scope.cancel()
+
+
+async def test_calls_about_another_nodes_sandbox_reach_it_whole(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, http = nodes
+    r = await http.post(
+        f"{here}/sandboxes/{THERE_SID}/timeout?x=1",
+        content=b'{"timeout": 30}',
+        headers={"X-API-Key": "k", "content-type": "application/json"},
+    )
+    doc = r.json()
+    assert doc["node"] == "there" and doc["method"] == "POST"
+    assert (doc["path"], doc["query"], doc["body"]) == (
+        f"/sandboxes/{THERE_SID}/timeout",
+        "x=1",
+        '{"timeout": 30}',
+    )
+    assert doc["headers"]["x-api-key"] == "k" and doc["headers"][HOP_HEADER] == "here"
+    # data-plane traffic routed by host keeps its Host
+    r = await http.get(f"{here}/files", headers={"Host": f"49983-{THERE_SID}.sb.test"})
+    assert r.json()["node"] == "there"
+    assert r.json()["headers"]["host"] == f"49983-{THERE_SID}.sb.test"
+
+
+async def test_responses_stream_through(nodes: tuple[str, httpx.AsyncClient]) -> None:
+    here, http = nodes
+    headers = {"e2b-sandbox-id": THERE_SID, "e2b-sandbox-port": "8080"}
+    async with http.stream("GET", f"{here}/stream", headers=headers) as r:
+        first = await r.aiter_raw().__anext__()
+    assert first.startswith(b"0\n")
+
+
+async def test_the_rest_is_served_here(nodes: tuple[str, httpx.AsyncClient]) -> None:
+    here, http = nodes
+    for path in (f"/sandboxes/{HERE_SID}", f"/sandboxes/{NOBODY_SID}", "/templates"):
+        assert (await http.get(here + path)).json()["node"] == "here", path
+    # a request that already hopped is never forwarded again
+    r = await http.get(f"{here}/sandboxes/{THERE_SID}", headers={HOP_HEADER: "x"})
+    assert r.json()["node"] == "here"
+
+
+async def test_a_dead_owner_answers_503_naming_it(nodes: tuple[str, httpx.AsyncClient]) -> None:
+    here, http = nodes
+    with trio.fail_after(2):
+        r = await http.get(f"{here}/sandboxes/{DEAD_SID}")
+    assert r.status_code == 503
+    assert "node gone" in r.json()["message"] and "dead" in r.json()["message"]
+
+
+async def test_a_create_goes_to_the_first_node_that_takes_it(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, http = nodes
+    r = await http.post(f"{here}/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 200
+    assert r.json()["node"] == "there"  # "full" answered 503 first
+    assert json.loads(r.json()["body"]) == {"templateID": "base"}
+
+
+async def test_websockets_reach_the_owner(nodes: tuple[str, httpx.AsyncClient]) -> None:
+    here, _ = nodes
+    host, port = here.removeprefix("http://").split(":")
+    async with trio_websocket.open_websocket(
+        host,
+        int(port),
+        "/ws",
+        use_ssl=False,
+        extra_headers=[(b"e2b-sandbox-id", THERE_SID.encode()), (b"e2b-sandbox-port", b"8080")],
+    ) as ws:
+        hello = json.loads(await ws.get_message())
+        assert hello["node"] == "there"
+        assert hello["e2b-sandbox-id"] == THERE_SID and hello[HOP_HEADER] == "here"
+        await ws.send_message("hi")
+        assert await ws.get_message() == "there:hi"

@@ -1,0 +1,222 @@
+"""Three real nodes on loopback form a cluster; the real e2b SDK talks to one of them.
+
+Rules: the nodes share a secret and find each other from one peer URL; every
+node lists every member alive; creates through one node land on several;
+a sandbox on another node is driven through the node the SDK talks to
+(commands, files, pause and resume, kill) and lists span the cluster; a
+node that dies is reported, and calls for its sandboxes fail at once with
+a clear error instead of hanging. Nothing leaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from tests.conftest import (
+    NodeProc,
+    built_home,
+    leaks,
+    link_home,
+    requires_node,
+    start_node,
+    stop_node,
+)
+
+pytestmark = [requires_node, pytest.mark.runsc]
+
+TEMPLATE = "busybox"
+SECRET = secrets.token_hex(16)
+KEY = "aenv_test_" + secrets.token_hex(8)
+PREFIX = os.environ.get("AENV_TEST_CLUSTER_PREFIX", "aenvk")
+# one /16 of slots per node
+CIDRS = os.environ.get("AENV_TEST_CLUSTER_CIDRS", "10.236.0.0/16,10.237.0.0/16,10.238.0.0/16")
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.nodes: dict[str, NodeProc] = {}
+
+    def start(self, name: str, peers: list[str], cidr: str) -> NodeProc:
+        home = self.root / name
+        if not home.exists():
+            home.mkdir()
+            link_home(built_home(), home)  # type: ignore[arg-type]
+        n = start_node(
+            home,
+            api_key=KEY,
+            log_path=home / "node.log",
+            extra_env={
+                "AENV_NODE_ID": name,
+                "AENV_NODE_TAG": "",  # derived from the node id: one per node
+                "AENV_NET_PREFIX": f"{PREFIX}{name[-1]}",
+                "AENV_SLOT_CIDR": cidr,
+                "AENV_CLUSTER_SECRET": SECRET,
+                "AENV_CLUSTER_PEERS": ",".join(peers),
+            },
+        )
+        self.nodes[name] = n
+        return n
+
+    def members(self, name: str) -> dict[str, str]:
+        r = httpx.get(
+            f"{self.nodes[name].url}/cluster/members", headers={"X-API-Key": KEY}, timeout=10
+        )
+        r.raise_for_status()
+        return {m["nodeID"]: m["state"] for m in r.json()}
+
+    def wait_members(self, want: dict[str, str], within: float = 30.0) -> None:
+        deadline = time.monotonic() + within
+        seen: dict[str, dict[str, str]] = {}
+        while time.monotonic() < deadline:
+            seen = {n: self.members(n) for n in self.nodes if n in want and want[n] == "alive"}
+            if all(v == want for v in seen.values()):
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"members never became {want}: {seen}")
+
+
+def owner(c: Cluster, sandbox_id: str) -> str:
+    """The node that runs the sandbox (its clientID), asked through node-a."""
+    r = httpx.get(
+        f"{c.nodes['node-a'].url}/sandboxes/{sandbox_id}", headers={"X-API-Key": KEY}, timeout=10
+    )
+    r.raise_for_status()
+    return str(r.json()["clientID"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    cidrs = CIDRS.split(",")
+    old = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    try:
+        a = c.start("node-a", [], cidrs[0])
+        c.start("node-b", [a.url], cidrs[1])
+        c.start("node-c", [a.url], cidrs[2])
+        os.environ.update({"E2B_API_URL": a.url, "E2B_SANDBOX_URL": a.url, "E2B_API_KEY": KEY})
+        yield c
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for n in c.nodes.values():
+            with contextlib.suppress(Exception):
+                if n.proc.poll() is None:
+                    for sb in httpx.get(
+                        f"{n.url}/cluster/v1/sandboxes", headers={"X-API-Key": KEY}, timeout=10
+                    ).json():
+                        httpx.delete(
+                            f"{n.url}/sandboxes/{sb['sandbox_id']}",
+                            headers={"X-API-Key": KEY, "x-aenv-hop": "test"},
+                            timeout=60,
+                        )
+            stop_node(n)
+        left = [x for n in c.nodes.values() for x in leaks(n.home, PREFIX + n.home.name[-1])]
+        assert not left, left
+
+
+def test_nodes_find_each_other_from_one_peer(cluster: Cluster) -> None:
+    everyone = {"node-a": "alive", "node-b": "alive", "node-c": "alive"}
+    cluster.wait_members(everyone)
+    r = httpx.get(
+        f"{cluster.nodes['node-b'].url}/cluster/members", headers={"X-API-Key": KEY}, timeout=10
+    )
+    me = next(m for m in r.json() if m["nodeID"] == "node-b")
+    assert me["url"] == cluster.nodes["node-b"].url
+    assert me["load"]["maxSandboxes"] > 0 and me["load"]["memTotal"] > 0
+    # the CLI, pointed at any node
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+    env.update({"AENV_URL": cluster.nodes["node-c"].url, "AENV_API_KEY": KEY, "TERM": "xterm"})
+    out = subprocess.run(
+        [sys.executable, "-m", "aenv", "cluster", "members", "--output", "json"],
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert {m["nodeID"]: m["state"] for m in json.loads(out)} == everyone
+
+
+def test_a_sandbox_on_another_node_is_driven_through_this_one(cluster: Cluster) -> None:
+    cluster.wait_members({"node-a": "alive", "node-b": "alive", "node-c": "alive"})
+    boxes = [Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "cluster"}) for _ in range(6)]
+    try:
+        owners = {b.sandbox_id: owner(cluster, b.sandbox_id) for b in boxes}
+        assert set(owners.values()) <= {"node-a", "node-b", "node-c"}
+        assert len(set(owners.values())) >= 2, owners  # creates spread
+        remote = next(b for b in boxes if owners[b.sandbox_id] != "node-a")
+        # commands, files, through node-a to the owner
+        assert remote.commands.run("echo hi").stdout.strip() == "hi"
+        remote.files.write("/tmp/x.txt", "kept")
+        remote.commands.run("sleep 600 >/dev/null 2>&1 &", background=True)
+        # pause and resume on its node, through node-a
+        remote.pause()
+        listed = {s.sandbox_id: s.state for s in Sandbox.list(query=None).next_items()}
+        assert set(listed) >= {b.sandbox_id for b in boxes}, listed
+        again = Sandbox.connect(remote.sandbox_id)
+        assert again.files.read("/tmp/x.txt") == "kept"
+        # every node lists every sandbox
+        for n in cluster.nodes.values():
+            ids = {
+                s["sandboxID"]
+                for s in httpx.get(
+                    f"{n.url}/sandboxes", headers={"X-API-Key": KEY}, timeout=10
+                ).json()
+            }
+            assert ids >= set(owners), (n.url, ids)
+    finally:
+        for b in boxes:
+            with contextlib.suppress(Exception):
+                b.kill()
+    for b in boxes:
+        assert (
+            httpx.get(
+                f"{cluster.nodes['node-a'].url}/sandboxes/{b.sandbox_id}",
+                headers={"X-API-Key": KEY},
+                timeout=10,
+            ).status_code
+            == 404
+        )
+
+
+def test_a_dead_nodes_sandboxes_fail_fast_and_it_is_reported(cluster: Cluster) -> None:
+    cluster.wait_members({"node-a": "alive", "node-b": "alive", "node-c": "alive"})
+    c = cluster.nodes["node-c"]
+    sb = Sandbox.create(TEMPLATE, timeout=120)  # until one lands on node-c
+    tries = [sb]
+    while owner(cluster, sb.sandbox_id) != "node-c" and len(tries) < 12:
+        sb = Sandbox.create(TEMPLATE, timeout=120)
+        tries.append(sb)
+    for other in tries[:-1]:
+        other.kill()
+    if owner(cluster, sb.sandbox_id) != "node-c":
+        sb.kill()
+        pytest.fail("no create landed on node-c in 12 tries")
+    stop_node(c, signal.SIGKILL)
+    cluster.wait_members({"node-a": "alive", "node-b": "alive", "node-c": "dead"}, within=30)
+    url = cluster.nodes["node-a"].url
+    t0 = time.monotonic()
+    r = httpx.get(f"{url}/sandboxes/{sb.sandbox_id}", headers={"X-API-Key": KEY}, timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == 503 and "node-c" in r.json()["message"], r.text
+    # it comes back (same home): the sandbox kept running and is served again
+    cluster.start("node-c", [url], CIDRS.split(",")[2])
+    cluster.wait_members({"node-a": "alive", "node-b": "alive", "node-c": "alive"}, within=30)
+    assert Sandbox.connect(sb.sandbox_id).commands.run("echo back").stdout.strip() == "back"
+    Sandbox.kill(sb.sandbox_id)
