@@ -606,6 +606,8 @@ class ObjectStore:
         check-then-write. A transient failure is retried with the same request, so a
         None after retries can mean an earlier attempt of this call wrote the object:
         callers put something unique in `data` and read the object back to tell.
+        A call cancelled while its request is out may still land, as one whose
+        answer was lost.
         """
         check_key(key)
         native, files = self._native, self._files
@@ -624,7 +626,7 @@ class ObjectStore:
                 raise
             return Version(result.get("e_tag"), result.get("version"))
 
-        written = await self._call("create", key, run)
+        written = await self._call("create", key, run, abandon_on_cancel=True)
         if written is not None:
             self._stats.bytes_uploaded += len(data)
         return written
@@ -659,7 +661,7 @@ class ObjectStore:
                 raise
             return Version(result.get("e_tag"), result.get("version"))
 
-        written = await self._call("compare_and_swap", key, run)
+        written = await self._call("compare_and_swap", key, run, abandon_on_cancel=True)
         if written is not None:
             self._stats.bytes_uploaded += len(data)
         return written

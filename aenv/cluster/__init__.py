@@ -1,0 +1,1 @@
+"""The cluster: ownership of sandboxes across nodes (leases.py)."""
