@@ -380,11 +380,19 @@ class Ownership:
         left = replace(self._holder.leaving(), writer=_writer())
         self._mine.clear()
         self._notify()
-        if expect is not None and not self._holder.fenced:
-            try:
-                await self._store.compare_and_swap(self._key, left.encode(), expect=expect)
-            except StoreError as exc:
-                log.warning("could not record leaving: %s (the lease will lapse)", exc)
+        try:
+            for _ in range(3):
+                if expect is None or self._holder.fenced:
+                    return
+                if await self._store.compare_and_swap(self._key, left.encode(), expect=expect):
+                    return
+                # A renewal still in flight may have landed first: leave from there.
+                found = await self._store.get_versioned(self._key)
+                if found is None or not self._holder.ours(_lease_or_none(found)):
+                    return
+                expect = found.version
+        except StoreError as exc:
+            log.warning("could not record leaving: %s (the lease will lapse)", exc)
 
     # -- internals: claims --
 

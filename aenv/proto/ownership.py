@@ -372,13 +372,14 @@ class LeaseHolder:
         WAIT (observe it unchanged for the fence window) unless `resume` says the
         caller knows it is dead. A new process never counts on an old one's renewals.
         """
+        floor = self.lease.epoch if self.lease is not None else 0
         self.fenced = self.left = False
         self.lease = None
         self.sent = None
         self.pending.clear()
         self.failures = 0
-        if current is None:
-            return Join.CREATE, self._lease(1, writer, wall)
+        if current is None:  # never joined, or the lease was deleted by hand: never reuse
+            return Join.CREATE, self._lease(floor + 1, writer, wall)
         if current.node != self.node:
             raise RecordError(f"lease of {current.node!r} found under node {self.node!r}")
         if current.state is LeaseState.LIVE:
@@ -442,6 +443,13 @@ class LeaseHolder:
     def failed(self) -> None:
         """The store could not be reached; the deadline stands."""
         self.failures += 1
+
+    def ours(self, lease: NodeLease | None) -> bool:
+        """Whether `lease` is a write of ours in the current epoch (applied or pending)."""
+        return lease is not None and (
+            lease.writer in self.pending
+            or (self.lease is not None and lease.writer == self.lease.writer)
+        )
 
     def leaving(self) -> NodeLease:
         """The lease to swap in when leaving: LEFT; stop serving before sending it."""

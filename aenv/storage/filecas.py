@@ -58,8 +58,7 @@ class FileCas:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root))
-        self._cas = self.root / CAS_DIR
-        (self._cas / "tmp").mkdir(parents=True, exist_ok=True)
+        self._cas = self.root / CAS_DIR  # made by the first conditional write
 
     def read(self, key: str) -> tuple[bytes, str] | None:
         """The content and version of `key`, or None if it does not exist."""
@@ -104,6 +103,7 @@ class FileCas:
     def _locked(self, key: str) -> Iterator[None]:
         stripe = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % STRIPES
         with _thread_lock(str(self.root), stripe):
+            (self._cas / "tmp").mkdir(parents=True, exist_ok=True)
             fd = os.open(self._cas / f"{stripe:02x}.lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)

@@ -256,3 +256,11 @@ def test_drifting_clocks_and_slow_networks_never_overlap(
     serve_until = holder.serve_until()
     assert serve_until is not None
     assert (serve_until - holder_offset) / holder_rate < stopped_real
+
+
+def test_a_lease_deleted_by_hand_never_brings_back_an_old_epoch() -> None:
+    holder = joined(at=0.0)
+    holder.sending(holder.next_renewal("w1", 0.0), 3.0)
+    assert holder.refused(None) is False  # the lease object is gone: the epoch is over
+    plan, lease = holder.join_plan(None, "w2", resume=False)
+    assert (plan, lease.epoch) == (Join.CREATE, 2)
