@@ -10,6 +10,9 @@ Failure injection goes through a small WSGI wrapper in front of moto:
 (throttling, 5xx), `kill_after(n)` lets `n` more requests through and then
 resets the connection of the next one and stops the server, so a test can
 cut a multipart upload in the middle. `requests` counts requests seen.
+Conditional writes (`If-Match`, `If-None-Match`) are serialised by the
+wrapper: moto checks the condition and then writes without a lock, so two
+racing requests could both pass, where S3 lets exactly one win.
 `config()` gives the obstore S3 settings (endpoint, test credentials,
 region) and `env()` the same as the provider's AWS_* environment variables.
 The session fixture `s3_server` hands out one shared server (tests isolate by
@@ -72,6 +75,7 @@ class MotoS3:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.requests = 0
         self._lock = threading.Lock()
+        self._conditional = threading.Lock()  # one conditional write at a time, as in S3
         self._fail: list[int] = []  # statuses to answer, one per request
         self._kill_after: int | None = None
         self._dead = False  # killed: reset every connection until stopped
@@ -185,6 +189,10 @@ class MotoS3:
                     [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
                 )
                 return [body]
+            conditional = "HTTP_IF_MATCH" in environ or "HTTP_IF_NONE_MATCH" in environ
+            if conditional and environ.get("REQUEST_METHOD") == "PUT":
+                with self._conditional:
+                    return list(app(environ, start_response))
             return app(environ, start_response)
 
         return wrapped

@@ -1,1 +1,3 @@
-"""The cluster: nodes that find each other by gossip, route calls to a sandbox's owner and place new sandboxes."""
+"""The cluster: nodes that find each other by gossip (membership), route calls to a
+sandbox's owner (router), place new sandboxes (placement) and hold each sandbox
+by a fenced lease in the object store (leases)."""

@@ -19,7 +19,11 @@ put), downloads to files go piece by piece with each piece retried on its
 own and land by atomic rename. On top sit content-addressed blobs:
 `put_blob` stores bytes or a file under `blobs/sha256/<2 hex>/<64 hex>` only
 when absent, so the same content is uploaded once, and `get_blob` /
-`download_blob` verify the sha256 of what they read. The pure parts (URL
+`download_blob` verify the sha256 of what they read. Conditional writes of
+small objects, for records several nodes update (cluster ownership):
+`create` (only if absent), `compare_and_swap` (only if still at the
+`Version` that `get_versioned` returned), atomic on every backend; a
+`file://` directory gets them from `aenv.storage.filecas`. The pure parts (URL
 parsing, key rules, blob layout, error classification) are plain functions
 so they can be tested without a store; the backoff is `aenv.kit.retry`'s.
 """
@@ -47,6 +51,7 @@ from obstore.store import LocalStore
 from obstore.store import from_url as _obstore_from_url
 
 from aenv.kit.retry import Backoff, Retries
+from aenv.storage.filecas import CAS_DIR, FileCas
 
 T = TypeVar("T")
 
@@ -188,6 +193,12 @@ def classify_error(exc: BaseException) -> ErrorKind:
     return ErrorKind.FATAL
 
 
+def _is_conflict(exc: BaseException) -> bool:
+    # S3 answers 409 ConditionalRequestConflict when conditional writes of one key race:
+    # this write was not applied.
+    return re.search(r"status(?: code)?:? 409\b|ConditionalRequestConflict", str(exc)) is not None
+
+
 def error_summary(exc: BaseException) -> str:
     """The first line of an obstore error, without its multi-line debug dump."""
     text = str(exc).split("\n\nDebug source:", 1)[0].strip()
@@ -226,6 +237,24 @@ class ObjectInfo:
     size: int
     etag: str | None
     last_modified: dt.datetime
+
+
+@dataclass(frozen=True)
+class Version:
+    """Which version of an object a conditional write expects: the store's ETag (and
+    object version where it keeps them), or the content's sha256 in a `file://` store.
+    Only compare versions returned by `get_versioned`, `create` and `compare_and_swap`."""
+
+    etag: str | None
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """An object's content together with its version."""
+
+    data: bytes
+    version: Version
 
 
 @dataclass
@@ -370,6 +399,10 @@ class ObjectStore:
         self._piece_size = piece_size
         self._create_supported = True
         self._stats = StoreStatistics()
+        # A directory store gets its conditional writes from FileCas (see there).
+        self._files: FileCas | None = None
+        if isinstance(native, LocalStore) and native.prefix is not None:
+            self._files = FileCas(Path(native.prefix))
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.where})"
@@ -519,9 +552,14 @@ class ObjectStore:
             check_key(prefix.rstrip("/"))
         native = self._native
 
+        hidden = f"{CAS_DIR}/" if self._files is not None else None
+
         def run() -> list[ObjectInfo]:
             metas = obstore.list(native, prefix.rstrip("/") or None).collect()
-            return sorted((_info(m) for m in metas), key=lambda i: i.key)
+            found = (_info(m) for m in metas)
+            if hidden is not None:
+                found = (i for i in found if not i.key.startswith(hidden))
+            return sorted(found, key=lambda i: i.key)
 
         return await self._call("list", prefix, run, abandon_on_cancel=True)
 
@@ -535,6 +573,98 @@ class ObjectStore:
 
         with contextlib.suppress(ObjectNotFound):
             await self._call("delete", key, run)
+
+    # -- conditional writes -------------------------------------------------------------
+
+    async def get_versioned(self, key: str) -> Versioned | None:
+        """The object's content and the version a `compare_and_swap` compares, or None."""
+        check_key(key)
+        native, files = self._native, self._files
+
+        def run() -> Versioned:
+            if files is not None:
+                found = files.read(key)
+                if found is None:
+                    raise FileNotFoundError(key)
+                return Versioned(found[0], Version(found[1]))
+            result = obstore.get(native, key)
+            meta = result.meta
+            return Versioned(bytes(result.bytes()), Version(meta.get("e_tag"), meta.get("version")))
+
+        try:
+            got = await self._call("get", key, run, abandon_on_cancel=True)
+        except ObjectNotFound:
+            return None
+        self._stats.bytes_downloaded += len(got.data)
+        return got
+
+    async def create(self, key: str, data: bytes) -> Version | None:
+        """Write `key` only if no object is there: its version, or None if one is.
+
+        Atomic on every backend (S3 `If-None-Match: *`, GCS and Azure preconditions,
+        `FileCas` for a directory); a backend without it is a `StoreError`, never a
+        check-then-write. A transient failure is retried with the same request, so a
+        None after retries can mean an earlier attempt of this call wrote the object:
+        callers put something unique in `data` and read the object back to tell.
+        A call cancelled while its request is out may still land, as one whose
+        answer was lost.
+        """
+        check_key(key)
+        native, files = self._native, self._files
+
+        def run() -> Version | None:
+            if files is not None:
+                written = files.create(key, data)
+                return None if written is None else Version(written)
+            try:
+                result = obstore.put(native, key, data, mode="create")
+            except (oe.AlreadyExistsError, oe.PreconditionError, FileExistsError):
+                return None
+            except oe.GenericError as exc:
+                if _is_conflict(exc):
+                    return None
+                raise
+            return Version(result.get("e_tag"), result.get("version"))
+
+        written = await self._call("create", key, run, abandon_on_cancel=True)
+        if written is not None:
+            self._stats.bytes_uploaded += len(data)
+        return written
+
+    async def compare_and_swap(self, key: str, data: bytes, *, expect: Version) -> Version | None:
+        """Replace `key` only if it is still at version `expect`: the new version, or None
+        if the object changed or is gone (S3 `If-Match`). The same caveat about retried
+        attempts as for `create` applies."""
+        check_key(key)
+        native, files = self._native, self._files
+
+        def run() -> Version | None:
+            if files is not None:
+                if expect.etag is None:
+                    return None
+                written = files.swap(key, data, expect.etag)
+                return None if written is None else Version(written)
+            mode: dict[str, str] = {}
+            if expect.etag is not None:
+                mode["e_tag"] = expect.etag
+            if expect.version is not None:
+                mode["version"] = expect.version
+            if not mode:
+                raise StoreError(f"object store {self.where}: {key!r} has no version to compare")
+            try:
+                result = obstore.put(native, key, data, mode=cast(Any, mode))
+            except (oe.PreconditionError, oe.NotFoundError):
+                return None
+            except oe.GenericError as exc:
+                if _is_conflict(exc):
+                    return None
+                raise
+            return Version(result.get("e_tag"), result.get("version"))
+
+        written = await self._call("compare_and_swap", key, run, abandon_on_cancel=True)
+        if written is not None:
+            self._stats.bytes_uploaded += len(data)
+        return written
 
     async def download(self, key: str, path: Path) -> ObjectInfo:
         """Stream `key` into the file `path` (replaced atomically once complete)."""

@@ -184,6 +184,67 @@ async def test_put_if_absent(backend: Backend, tmp_path: Path) -> None:
     assert await store.get("big") == data
 
 
+# -- conditional writes ----------------------------------------------------------------
+
+
+async def test_create_and_compare_and_swap(backend: Backend) -> None:
+    store = backend.store
+    assert await store.get_versioned("c/k") is None
+    v1 = await store.create("c/k", b"one")
+    assert v1 is not None
+    assert await store.create("c/k", b"two") is None  # exists: left alone
+    got = await store.get_versioned("c/k")
+    assert got is not None and (got.data, got.version) == (b"one", v1)
+    v2 = await store.compare_and_swap("c/k", b"two", expect=v1)
+    assert v2 is not None and v2 != v1
+    # The version read before is stale now: the swap is refused and changes nothing.
+    assert await store.compare_and_swap("c/k", b"three", expect=v1) is None
+    got = await store.get_versioned("c/k")
+    assert got is not None and (got.data, got.version) == (b"two", v2)
+    # A swap of an object that is gone is refused too, and does not create it.
+    await store.delete("c/k")
+    assert await store.compare_and_swap("c/k", b"four", expect=v2) is None
+    assert await store.get_versioned("c/k") is None
+
+
+async def test_swap_notices_a_write_behind_its_back(backend: Backend) -> None:
+    store = backend.store
+    v1 = await store.create("c/t", b"mine")
+    assert v1 is not None
+    backend.tamper("c/t", b"someone else's")
+    assert await store.compare_and_swap("c/t", b"mine again", expect=v1) is None
+    assert await store.get("c/t") == b"someone else's"
+
+
+async def test_racing_conditional_writes_have_one_winner(backend: Backend) -> None:
+    store = backend.store
+    created: list[int] = []
+    swapped: list[int] = []
+
+    async def create(n: int) -> None:
+        if await store.create("race/k", f"create {n}".encode()) is not None:
+            created.append(n)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(8):
+            nursery.start_soon(create, n)
+    assert len(created) == 1
+    base = await store.get_versioned("race/k")
+    assert base is not None
+
+    async def swap(n: int) -> None:
+        if await store.compare_and_swap("race/k", f"swap {n}".encode(), expect=base.version):
+            swapped.append(n)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(8):
+            nursery.start_soon(swap, n)
+    assert len(swapped) == 1
+    assert await store.get("race/k") == f"swap {swapped[0]}".encode()
+    # The directory store's lock files and temporary files never show in listings.
+    assert [i.key for i in await store.list()] == ["race/k"]
+
+
 @pytest.mark.parametrize("key", ["", "/abs", "a//b", "a/../b", "./a", "a/", "..", "a/."], ids=repr)
 async def test_bad_keys_are_refused(backend: Backend, key: str) -> None:
     with pytest.raises(ValueError, match="invalid object key"):
