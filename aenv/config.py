@@ -291,6 +291,13 @@ class Config:
             raise ValueError(
                 "AENV_CLUSTER_PEERS needs AENV_CLUSTER_SECRET (the same on every node)"
             )
+        if self.cluster_secret and (
+            self.store_url is None or self.store_url.lower() in ("none", "off")
+        ):
+            raise ValueError(
+                "a cluster needs AENV_STORE_URL: one object store every node shares "
+                "(s3://..., gs://..., az://... or a shared file:// directory)"
+            )
         if self.cluster_secret and len(self.cluster_secret) < 16:
             raise ValueError("AENV_CLUSTER_SECRET must be at least 16 characters")
         if self.node_id is not None and not re.match(

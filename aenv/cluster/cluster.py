@@ -13,17 +13,22 @@ sandboxes, free disk, the templates it holds, whether it is draining.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aenv.cluster.leases import Ownership, OwnershipError
 from aenv.cluster.router import Peer
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.pressure import read_meminfo
 from aenv.proto import placement
 from aenv.proto.ids import InvalidName, owner_tag
+from aenv.storage.objstore import StoreError
+
+log = logging.getLogger("aenv.cluster")
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class Cluster:
         self._members = members
         self._rng = rng or random.Random()
         self.draining = False
+        self.ownership: Ownership | None = None  # set once the node's lease is live
 
     def members(self) -> list[Member]:
         return sorted(self._members(), key=lambda m: m.id)
@@ -106,17 +112,40 @@ class Cluster:
             return sandbox_id in self.node.lost  # lost here: this node says why
         return True
 
-    def owner_of(self, sandbox_id: str) -> Peer | None:
+    def not_serving(self) -> str | None:
+        own = self.ownership
+        if own is None or own.may_serve():
+            return None
+        return (
+            f"node {self.node_id} cannot renew its lease in the object store "
+            f"({own.status.value}): its sandboxes are not served until it can"
+        )
+
+    async def owner_of(self, sandbox_id: str) -> Peer | None:
+        """The node named by the ID's tag when it is alive; else the owner the
+        store's claim names (the sandbox moved, or its node is down)."""
         try:
             tag = owner_tag(sandbox_id)
         except InvalidName:
             return None
-        if tag == self.tag:
-            return None
-        found = [m for m in self._members() if m.tag == tag and m.id != self.node_id]
+        members = {m.id: m for m in self._members()}
+        by_tag = [m for m in members.values() if m.tag == tag and m.id != self.node_id]
         # a node that came back under the same tag supersedes its dead past
-        found.sort(key=lambda m: (m.state in ("dead", "left"), m.id))
-        return found[0].as_peer() if found else None
+        by_tag.sort(key=lambda m: (m.state in ("dead", "left"), m.id))
+        hinted = by_tag[0].as_peer() if by_tag else None
+        if (hinted is not None and hinted.state in ("alive", "suspect")) or self.ownership is None:
+            return hinted
+        try:
+            view = await self.ownership.lookup(sandbox_id)
+        except (StoreError, OwnershipError, ValueError) as e:
+            log.warning("looking up the owner of sandbox %s failed: %s", sandbox_id, e)
+            return hinted
+        if view is None or view.claim.released or view.claim.node == self.node_id:
+            return hinted
+        m = members.get(view.claim.node)
+        if m is not None:
+            return m.as_peer()
+        return Peer(view.claim.node, view.owner_url, "alive" if view.owner_url else "dead")
 
     def placement(self, body: bytes) -> Sequence[Peer]:
         template, memory_mb = _template_of(body)

@@ -21,13 +21,16 @@ import httpx
 import trio
 
 from aenv.cluster.cluster import Cluster, measure_load
+from aenv.cluster.leases import Ownership, open_ownership
 from aenv.cluster.membership import Membership
+from aenv.cluster.owners import Owners
 from aenv.cluster.service import ClusterSandboxService
 from aenv.cluster.transport import Transport
 from aenv.config import Config
 from aenv.node.node import Node
-from aenv.node.service import SandboxService
+from aenv.node.service import PAUSED, SandboxService
 from aenv.proto.clusterwire import ClusterKey
+from aenv.storage.objstore import ObjectStore
 
 log = logging.getLogger("aenv.cluster")
 
@@ -46,6 +49,18 @@ class ClusterMember:
     @property
     def api_key(self) -> str:
         return self.cluster.node.api_key
+
+
+async def _own(
+    store: ObjectStore,
+    node_id: str,
+    url: str,
+    *,
+    task_status: trio.TaskStatus[Ownership] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    async with open_ownership(store, node=node_id, url=url, resume=True) as ownership:
+        task_status.started(ownership)
+        await trio.sleep_forever()
 
 
 @asynccontextmanager
@@ -76,6 +91,23 @@ async def open_cluster_member(config: Config, node: Node) -> AsyncIterator[Clust
         cluster = Cluster(node, membership.members)
         holder.append(cluster)
         await nursery.start(partial(membership.run))
+        store = node.durable.store
+        if store is not None:
+            # this process holds the node's home (its host claim): a lease left
+            # by an earlier process of this node is this node's to keep
+            ownership = await nursery.start(_own, store, node_id, url)
+            cluster.ownership = ownership
+            owners = Owners(
+                ownership,
+                local=lambda: {
+                    a.sandbox_id: "paused" if a.state.value in PAUSED else "running"
+                    for a in node.list()
+                },
+                stop=lambda sid, why: node.start_background(
+                    partial(node.kill, sid), f"stopping sandbox {sid}: {why}"
+                ),
+            )
+            nursery.start_soon(owners.run)
         log.info(
             "node %s (%s) in the cluster; peers to join: %s",
             node_id,

@@ -64,8 +64,12 @@ class ClusterView(Protocol):
         """Whether this node runs (or holds paused) the sandbox."""
         ...
 
-    def owner_of(self, sandbox_id: str) -> Peer | None:
+    async def owner_of(self, sandbox_id: str) -> Peer | None:
         """The other node that holds the sandbox, if any is known to."""
+        ...
+
+    def not_serving(self) -> str | None:
+        """Why this node may not serve its sandboxes now (None: it may)."""
         ...
 
     def placement(self, body: bytes) -> Sequence[Peer]:
@@ -105,9 +109,15 @@ class ClusterRouter:
 
     async def _to_owner(self, sandbox_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         if self.cluster.runs_here(sandbox_id):
-            await self.app(scope, receive, send)
+            why = self.cluster.not_serving()
+            if why is None:
+                await self.app(scope, receive, send)
+            elif scope["type"] == "http":
+                await send_error(send, 503, why, sandboxId=sandbox_id)
+            else:
+                await send({"type": "websocket.close", "code": 1011, "reason": why[:120]})
             return
-        owner = self.cluster.owner_of(sandbox_id)
+        owner = await self.cluster.owner_of(sandbox_id)
         if owner is None:
             await self.app(scope, receive, send)  # nobody claims it: not found, here
             return

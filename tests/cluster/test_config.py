@@ -29,6 +29,7 @@ def test_cluster_settings_are_read() -> None:
             "AENV_CLUSTER_SECRET": "x" * 32,
             "AENV_ADVERTISE_URL": "http://10.0.0.1:8000/",
             "AENV_CLUSTER_LISTEN": "0.0.0.0:7946",
+            "AENV_STORE_URL": "s3://aenv",
         }
     )
     assert c.clustered and c.effective_node_id == "node-1"
@@ -46,10 +47,15 @@ def test_a_wildcard_listen_address_advertises_the_host_name() -> None:
     ("env", "says"),
     [
         ({"AENV_CLUSTER_PEERS": "http://10.0.0.2:8000"}, "AENV_CLUSTER_SECRET"),
-        ({"AENV_CLUSTER_SECRET": "short"}, "at least 16"),
+        ({"AENV_CLUSTER_SECRET": "short", "AENV_STORE_URL": "s3://b"}, "at least 16"),
+        ({"AENV_CLUSTER_SECRET": "s" * 16}, "AENV_STORE_URL"),
         ({"AENV_NODE_ID": "bad id/with slash"}, "AENV_NODE_ID"),
         (
-            {"AENV_CLUSTER_SECRET": "s" * 16, "AENV_CLUSTER_PEERS": "10.0.0.2:8000"},
+            {
+                "AENV_CLUSTER_SECRET": "s" * 16,
+                "AENV_CLUSTER_PEERS": "10.0.0.2:8000",
+                "AENV_STORE_URL": "s3://b",
+            },
             "base URL",
         ),
         ({"AENV_ADVERTISE_URL": "http://10.0.0.1:8000/api"}, "base URL"),

@@ -96,7 +96,10 @@ class View:
     def runs_here(self, sandbox_id: str) -> bool:
         return sandbox_id == HERE_SID
 
-    def owner_of(self, sandbox_id: str) -> Peer | None:
+    def not_serving(self) -> str | None:
+        return None
+
+    async def owner_of(self, sandbox_id: str) -> Peer | None:
         if sandbox_id == THERE_SID:
             return self.there
         if sandbox_id == DEAD_SID:

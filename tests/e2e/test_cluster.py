@@ -25,6 +25,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from aenv.proto.ownership import SandboxClaim
 from tests.conftest import (
     NodeProc,
     built_home,
@@ -66,6 +67,7 @@ class Cluster:
                 "AENV_SLOT_CIDR": cidr,
                 "AENV_CLUSTER_SECRET": SECRET,
                 "AENV_CLUSTER_PEERS": ",".join(peers),
+                "AENV_STORE_URL": f"file://{self.root / 'store'}",
             },
         )
         self.nodes[name] = n
@@ -160,6 +162,19 @@ def test_a_sandbox_on_another_node_is_driven_through_this_one(cluster: Cluster) 
         owners = {b.sandbox_id: owner(cluster, b.sandbox_id) for b in boxes}
         assert set(owners.values()) <= {"node-a", "node-b", "node-c"}
         assert len(set(owners.values())) >= 2, owners  # creates spread
+        # each sandbox is claimed in the shared store by the node that runs it
+        claims = cluster.root / "store" / "cluster" / "sandboxes"
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            held = {
+                p.name: SandboxClaim.decode(p.read_bytes()).node
+                for p in claims.glob("*")
+                if p.name in owners
+            }
+            if held == owners:
+                break
+            time.sleep(0.2)
+        assert held == owners
         remote = next(b for b in boxes if owners[b.sandbox_id] != "node-a")
         # commands, files, through node-a to the owner
         assert remote.commands.run("echo hi").stdout.strip() == "hi"
