@@ -27,7 +27,7 @@ async def members() -> Response:
     d = deps()
     if d.cluster is None:
         cfg = d.node.config
-        load = measure_load(d.node)
+        load = await measure_load(d.node)
         alone = {
             "nodeID": cfg.effective_node_id,
             "url": cfg.effective_advertise_url,

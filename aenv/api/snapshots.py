@@ -27,6 +27,7 @@ from aenv.api.common import (
 from aenv.node.service import SnapshotInfo
 from aenv.node.snapshots import is_internal
 from aenv.proto import requests as rq
+from aenv.proto.clusterroute import HOP_HEADER
 
 bp = Blueprint("snapshots", __name__)
 
@@ -47,9 +48,27 @@ async def snapshot_create(sandbox_id: str) -> Response:
     return json_response(views.snapshot(snap), 201)
 
 
+async def _own_snapshots() -> list[dict[str, Any]]:
+    return [d for d in await deps().node.snapshots.list() if not is_internal(d)]
+
+
+@bp.get("/cluster/v1/snapshots")
+async def own_snapshot_list() -> Response:
+    """This node's own snapshot records, for a peer's cluster-wide list."""
+    return json_response(await _own_snapshots())
+
+
 @bp.get("/snapshots")
 async def snapshot_list() -> Response:
-    docs = [d for d in await deps().node.snapshots.list() if not is_internal(d)]
+    docs = await _own_snapshots()
+    member = deps().cluster
+    if member is not None:  # and every other node's, once each
+        seen = {d["snapshotID"] for d in docs}
+        for d in await member.gather("/cluster/v1/snapshots"):
+            if isinstance(d, dict) and d.get("snapshotID") not in seen:
+                seen.add(d.get("snapshotID"))
+                docs.append(d)
+        docs.sort(key=lambda d: (float(d.get("createdAt") or 0), str(d.get("snapshotID"))))
     sid, name = request.args.get("sandboxID"), request.args.get("name")
     if sid:
         docs = [d for d in docs if d.get("sourceSandboxID") == sid]
@@ -71,6 +90,19 @@ async def snapshot_list() -> Response:
 @bp.delete("/snapshots/<snapshot_id>")
 async def snapshot_delete(snapshot_id: str) -> Response:
     node = deps().node
+    member = deps().cluster
+    if member is not None and HOP_HEADER not in request.headers:
+        # every node that holds it deletes its copy; the store's goes with the first
+        answers = await member.ask_peers("DELETE", f"/snapshots/{snapshot_id}", timeout_s=60)
+        refusals = [r for r in answers.values() if r.status_code not in (204, 404)]
+        if refusals:
+            return Response(
+                refusals[0].content, refusals[0].status_code, content_type="application/json"
+            )
+        if await node.snapshots.resolve(snapshot_id) is None and any(
+            r.status_code == 204 for r in answers.values()
+        ):
+            return no_content()
     doc = await node.snapshots.resolve(snapshot_id)
     if doc is None:
         remote = await node.durable.locate(snapshot_id)  # only in the object store?

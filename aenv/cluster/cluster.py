@@ -12,10 +12,13 @@ sandboxes, free disk, the templates it holds, whether it is draining.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +27,16 @@ from aenv.cluster.leases import Ownership, OwnershipError
 from aenv.cluster.router import Peer
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.pressure import read_meminfo
+from aenv.node.snapshots import is_internal
 from aenv.proto import placement
 from aenv.proto.ids import InvalidName, owner_tag
 from aenv.storage.objstore import StoreError
 
 log = logging.getLogger("aenv.cluster")
+
+# how long a create this node placed counts in the target's load: until the
+# target's next load gossip (every few seconds) includes it
+PLACED_WINDOW_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -63,10 +71,12 @@ class Member:
         }
 
 
-def measure_load(node: Node, *, draining: bool = False) -> placement.NodeLoad:
-    """This node's capacity and load, to gossip (blocking reads of /proc; cheap)."""
+async def measure_load(node: Node, *, draining: bool = False) -> placement.NodeLoad:
+    """This node's capacity and load, to gossip: memory, CPU, sandboxes, disk, and
+    the templates and snapshots it holds (reads of /proc: cheap)."""
     available, total = read_meminfo()
     st = os.statvfs(node.config.home)
+    snapshots = [d for d in await node.snapshots.list() if not is_internal(d)]
     return placement.NodeLoad(
         node=node.config.effective_node_id,
         mem_total=total,
@@ -77,7 +87,8 @@ def measure_load(node: Node, *, draining: bool = False) -> placement.NodeLoad:
         max_sandboxes=node.config.max_sandboxes,
         disk_free=st.f_bavail * st.f_frsize,
         templates=frozenset(
-            name for t in node.templates.list() for name in (t.template_id, *t.aliases)
+            [name for t in node.templates.list() for name in (t.template_id, *t.aliases)]
+            + [str(n) for d in snapshots for n in (d["snapshotID"], *(d.get("names") or ()))]
         ),
         draining=draining,
     )
@@ -91,6 +102,7 @@ class Cluster:
         node: Node,
         members: Callable[[], Sequence[Member]],
         *,
+        here: Callable[[], placement.NodeLoad | None] = lambda: None,
         rng: random.Random | None = None,
     ) -> None:
         self.node = node
@@ -98,9 +110,12 @@ class Cluster:
         self.url = node.config.effective_advertise_url
         self.tag = node.config.effective_node_tag
         self._members = members
+        self._here = here  # this node's load as last measured
         self._rng = rng or random.Random()
         self.draining = False
         self.ownership: Ownership | None = None  # set once the node's lease is live
+        # creates this node placed lately, by node: their load is not gossiped yet
+        self._placed: dict[str, collections.deque[tuple[float, int]]] = {}
 
     def members(self) -> list[Member]:
         return sorted(self._members(), key=lambda m: m.id)
@@ -147,18 +162,56 @@ class Cluster:
             return m.as_peer()
         return Peer(view.claim.node, view.owner_url, "alive" if view.owner_url else "dead")
 
+    def placed(self, node_id: str, body: bytes) -> None:
+        """A create this node placed went to `node_id`: count it in that node's
+        load until its own gossip has had time to show it."""
+        _, memory_mb = _template_of(body)
+        self._placed.setdefault(node_id, collections.deque()).append((time.monotonic(), memory_mb))
+
+    def _with_placed(self, load: placement.NodeLoad) -> placement.NodeLoad:
+        recent = self._placed.get(load.node)
+        if not recent:
+            return load
+        horizon = time.monotonic() - PLACED_WINDOW_S
+        while recent and recent[0][0] < horizon:
+            recent.popleft()
+        if not recent:
+            return load
+        return dataclasses.replace(
+            load,
+            sandboxes=load.sandboxes + len(recent),
+            mem_free=load.mem_free - sum(mb for _, mb in recent) * 2**20,
+        )
+
     def placement(self, body: bytes) -> Sequence[Peer]:
         template, memory_mb = _template_of(body)
-        here = measure_load(self.node, draining=self.draining)
+        here = self._here() or placement.NodeLoad(
+            node=self.node_id,
+            mem_total=1,
+            mem_free=1,
+            cpus=1,
+            cpu_load=0.0,
+            sandboxes=0,
+            max_sandboxes=1,
+            disk_free=0,
+            templates=frozenset(),
+        )
+        here = dataclasses.replace(here, draining=self.draining)
         loads = {here.node: here}
         urls = {here.node: Peer(self.node_id, self.url, "alive")}
         for m in self._members():
             if m.id != self.node_id and m.state == "alive":
                 loads[m.id] = m.load
                 urls[m.id] = m.as_peer()
-        ranked = placement.rank(
-            list(loads.values()), template=template, memory_mb=memory_mb, rng=self._rng
-        )
+        nodes = [self._with_placed(n) for n in loads.values()]
+        # a snapshot (or a template) only some nodes hold goes to one of them first
+        holders = [n for n in nodes if template is not None and template in n.templates]
+        ranked = placement.rank(holders, template=template, memory_mb=memory_mb, rng=self._rng)
+        ranked += [
+            n
+            for n in placement.rank(nodes, template=template, memory_mb=memory_mb, rng=self._rng)
+            if n not in ranked
+        ]
         if not ranked:  # nobody reports room: try here (the node answers why not)
             return [urls[self.node_id]]
         return [urls[n.node] for n in ranked]

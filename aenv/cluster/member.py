@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import httpx
 import trio
 
-from aenv.cluster.cluster import Cluster, measure_load
+from aenv.cluster.cluster import Cluster, Member, measure_load
 from aenv.cluster.leases import Ownership, open_ownership
 from aenv.cluster.membership import Membership
 from aenv.cluster.owners import Owners
@@ -29,6 +30,7 @@ from aenv.cluster.transport import Transport
 from aenv.config import Config
 from aenv.node.node import Node
 from aenv.node.service import PAUSED, SandboxService
+from aenv.proto.clusterroute import HOP_HEADER
 from aenv.proto.clusterwire import ClusterKey
 from aenv.storage.objstore import ObjectStore
 
@@ -49,6 +51,51 @@ class ClusterMember:
     @property
     def api_key(self) -> str:
         return self.cluster.node.api_key
+
+    def _peers(self) -> list[Member]:
+        return [
+            m
+            for m in self.cluster.members()
+            if m.id != self.cluster.node_id and m.state in ("alive", "suspect")
+        ]
+
+    async def ask_peers(
+        self, method: str, path: str, *, timeout_s: float = 3.0
+    ) -> dict[str, httpx.Response]:
+        """`method path` on every live peer, concurrently, with the hop header (each
+        answers for itself only): {node id: response}. A peer that does not answer in
+        time is left out and logged."""
+        answers: dict[str, httpx.Response] = {}
+
+        async def one(m: Member) -> None:
+            try:
+                answers[m.id] = await self.http.request(
+                    method,
+                    m.url + path,
+                    headers={"X-API-Key": self.api_key, HOP_HEADER: self.cluster.node_id},
+                    timeout=timeout_s,
+                )
+            except httpx.HTTPError as e:
+                log.warning("node %s did not answer %s %s: %s", m.id, method, path, e)
+
+        async with trio.open_nursery() as nursery:
+            for m in self._peers():
+                nursery.start_soon(one, m)
+        return answers
+
+    async def gather(self, path: str) -> list[Any]:
+        """The JSON lists every live peer answers to `GET path`, concatenated."""
+        out: list[Any] = []
+        for node, r in (await self.ask_peers("GET", path)).items():
+            try:
+                r.raise_for_status()
+                body = r.json()
+            except (httpx.HTTPError, ValueError) as e:
+                log.warning("node %s answered GET %s badly: %s", node, path, e)
+                continue
+            if isinstance(body, list):
+                out.extend(body)
+        return out
 
 
 async def _own(
@@ -88,7 +135,7 @@ async def open_cluster_member(config: Config, node: Node) -> AsyncIterator[Clust
             measure=lambda: measure_load(node, draining=holder[0].draining if holder else False),
             remember=config.home / "cluster" / "members.json",
         )
-        cluster = Cluster(node, membership.members)
+        cluster = Cluster(node, membership.members, here=lambda: membership.load)
         holder.append(cluster)
         await nursery.start(partial(membership.run))
         store = node.durable.store

@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ class Membership:
         url: str,
         tag: str,
         seeds: tuple[str, ...],
-        measure: Callable[[], NodeLoad],
+        measure: Callable[[], Awaitable[NodeLoad]],
         config: swim.SwimConfig | None = None,
         rng: random.Random | None = None,
         remember: Path | None = None,
@@ -62,6 +62,7 @@ class Membership:
         self.seeds = tuple(dict.fromkeys((*seeds, *self._remembered())))
         self._measure = measure
         self._last_load: dict[str, Any] | None = None
+        self.load: NodeLoad | None = None  # as last measured
         self.swim = swim.Swim(node_id, url, self._meta(None), config=config, rng=rng)
         self._wake = trio.Event()
         self.malformed = 0
@@ -116,9 +117,10 @@ class Membership:
             "malformed": self.malformed,
         }
 
-    def publish_load(self) -> None:
+    async def publish_load(self) -> None:
         """Measure the node's load now and gossip it if it changed enough."""
-        load = self._measure()
+        load = await self._measure()
+        self.load = load
         doc = _coarse(load)
         if doc != self._last_load:
             self._last_load = doc
@@ -128,7 +130,7 @@ class Membership:
     # -- the task -------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self.publish_load()
+        await self.publish_load()
         self._send(self.swim.join(trio.current_time(), self.seeds))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._timers)
@@ -173,7 +175,7 @@ class Membership:
         while True:
             await trio.sleep(LOAD_EVERY_S)
             try:
-                self.publish_load()
+                await self.publish_load()
             except Exception:
                 log.exception("measuring this node's load failed")
 

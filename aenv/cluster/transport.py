@@ -34,6 +34,7 @@ import trio_websocket
 
 from aenv.kit.retry import Backoff
 from aenv.proto.clusterwire import (
+    MAX_FRAME,
     NONCE_BYTES,
     ClientHandshake,
     ClusterKey,
@@ -228,7 +229,12 @@ class Transport:
                 await self.accept(_TrioSocket(ws), str(remote))
 
         await trio_websocket.serve_websocket(
-            handler, host, port, ssl_context=None, task_status=task_status
+            handler,
+            host,
+            port,
+            ssl_context=None,
+            max_message_size=MAX_FRAME + 64,
+            task_status=task_status,
         )
 
     def close(self) -> None:
@@ -243,6 +249,7 @@ def _open(url: str) -> AbstractAsyncContextManager[trio_websocket.WebSocketConne
     return trio_websocket.open_websocket_url(
         ws_url.rstrip("/") + LINK_PATH,
         ssl_context=ssl_context,
+        max_message_size=MAX_FRAME + 64,
         connect_timeout=CONNECT_S,
         disconnect_timeout=1.0,
     )

@@ -92,12 +92,16 @@ class View:
 
     def __init__(self, there: Peer, full: Peer) -> None:
         self.there, self.full = there, full
+        self.placed_on: list[str] = []
 
     def runs_here(self, sandbox_id: str) -> bool:
         return sandbox_id == HERE_SID
 
     def not_serving(self) -> str | None:
         return None
+
+    def placed(self, node_id: str, body: bytes) -> None:
+        self.placed_on.append(node_id)
 
     async def owner_of(self, sandbox_id: str) -> Peer | None:
         if sandbox_id == THERE_SID:
