@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,8 @@ class SimNetwork:
         self.listeners: list[Listener] = []
         self.log: list[Logged] = []
         self.delivered = 0
+        self.bytes_by_kind: Counter[str] = Counter()  # sent, by message type
+        self.sent_by_kind: Counter[str] = Counter()
 
     # -- membership of the simulation ---------------------------------------------------
 
@@ -234,6 +237,8 @@ class SimNetwork:
                 payload = text
         src.bytes_sent += size
         src.messages_sent += 1
+        self.bytes_by_kind[s.message.KIND] += size
+        self.sent_by_kind[s.message.KIND] += 1
         loss = self._link_loss.get(frozenset((src.id, dst.id)), self.loss)
         if loss and self.rng.random() < loss:
             return
