@@ -1103,11 +1103,14 @@ class Swim:
         if peer:
             state = self._state()
             out.append(Send(peer[0].url, Sync(state)))
-        # One reconnect attempt: a dead member (maybe only cut off) or a seed that is
-        # not a live member, so that partitions heal even after reaping.
-        live_urls = {n.url for n in self._nodes.values() if n.state in _LIVE}
+        # One reconnect attempt, so that partitions heal when the network does: a dead
+        # member (maybe only cut off), or, with probability 1/n (about one member of
+        # the cluster per round, so seeds are not flooded), a seed that is not a live
+        # member's URL: the way back after the other side was reaped.
         candidates = [n.url for n in self._nodes.values() if n.state is MemberState.DEAD]
-        candidates += [u for u in self._seeds if u not in live_urls]
+        if self._seeds and self._rng.random() * self._live < 1:
+            live_urls = {n.url for n in self._nodes.values() if n.state in _LIVE}
+            candidates += [u for u in self._seeds if u not in live_urls]
         if candidates:
             url = self._rng.choice(candidates)
             out.append(Send(url, Sync(state if state is not None else self._state())))
