@@ -37,6 +37,12 @@ positive rates for random loss; the Lifeguard paper (arXiv:1707.00788)
 reports Lifeguard cutting SWIM's false positives by more than 50x under slow
 message processing.
 
+A second scenario checks Lifeguard where it matters, a slow member: in a
+cluster of `--slow-members` (default 100) without loss, one member handles
+every message 1.2 s late (starved of CPU) for 120 s, once with local health
+and once without (`awareness_max_multiplier=1`); counted are the members it
+falsely suspects, the suspicions of it, and deaths.
+
 Results go to bench/results/swim-<UTC timestamp>.json. Pure Python, one
 process; the default run takes about 2 minutes on 2 cores.
 
@@ -194,6 +200,49 @@ def run(n: int, loss: float, args: argparse.Namespace) -> Outcome:
     return out
 
 
+def run_slow(n: int, lifeguard: bool, args: argparse.Namespace) -> dict[str, Any]:
+    config = SwimConfig(awareness_max_multiplier=8 if lifeguard else 1)
+    net = SimNetwork(seed=args.seed, config=config, wire="off", record=False)
+    names = [f"node-{i:04d}" for i in range(n)]
+    slow = names[n // 2]
+    accused: set[tuple[str, int]] = set()
+    suspected: set[int] = set()
+    deaths = 0
+
+    def listen(at: float, observer: str, e: Event) -> None:
+        nonlocal deaths
+        if e.kind is EventKind.SUSPECT:
+            if e.member.id == slow:
+                suspected.add(e.member.incarnation)
+            else:
+                accused.add((e.member.id, e.member.incarnation))
+        elif e.kind is EventKind.DEAD:
+            deaths += 1
+
+    net.listeners.append(listen)
+    net.bootstrap(names, meta=META)
+    net.run_until(5.0)
+    net.set_slow(slow, 1.2)
+    net.run_until(125.0)
+    swim = net.nodes[slow].swim
+    return {"members": n, "lifeguard": lifeguard, "others_falsely_suspected": len(accused),
+            "slow_one_suspected": len(suspected), "deaths": deaths,
+            "slow_health_score": swim.health_score,
+            "slow_probes": swim.statistics().probes}  # fmt: skip
+
+
+def slow_table(rows: list[dict[str, Any]]) -> str:
+    head = ("slow member (1.2 s late), 120 s", "members", "others falsely suspected",
+            "slow one suspected", "deaths", "its probes", "its health score")  # fmt: skip
+    body = [
+        (f"Lifeguard {'on' if r['lifeguard'] else 'off'}", str(r["members"]),
+         str(r["others_falsely_suspected"]), str(r["slow_one_suspected"]), str(r["deaths"]),
+         str(r["slow_probes"]), str(r["slow_health_score"]))
+        for r in rows
+    ]  # fmt: skip
+    return "\n".join(_grid([head, *body]))
+
+
 def _sent(net: SimNetwork) -> int:
     return sum(node.bytes_sent for node in net.nodes.values())
 
@@ -310,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=float, default=120.0, help="give up this long after a kill")
     p.add_argument("--latency-ms", default="0.5,3", help="min,max one-way latency")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--slow-members", type=int, default=100, help="0 skips the slow member")
     args = p.parse_args(argv)
     losses = [float(x) for x in args.loss.split(",")]
     if args.members < args.kills + 3 or args.kills < 1:
@@ -322,10 +372,17 @@ def main(argv: list[str] | None = None) -> int:
         o = run(args.members, loss, args)
         print(f"  {o.sim_seconds:.0f} s simulated in {o.wall_seconds:.0f} s", flush=True)
         outcomes.append(o)
+    slow_rows = []
+    if args.slow_members:
+        print(f"{args.slow_members} members, one slow ...", flush=True)
+        slow_rows = [run_slow(args.slow_members, lg, args) for lg in (True, False)]
     load_end = [round(x, 2) for x in os.getloadavg()]
     elapsed = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
     print()
     print(table(outcomes))
+    if slow_rows:
+        print()
+        print(slow_table(slow_rows))
     print(f"\nload average {load_start} at start, {load_end} at end; "
           f"{os.cpu_count()} CPUs; {elapsed:.0f} s")  # fmt: skip
     report = {
@@ -336,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": load_end},
         "runs": [o.to_json() for o in outcomes],
         "memberlist_model": [_model_json(Model(o.members, o.loss)) for o in outcomes],
+        "slow_member": slow_rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"swim-{started.strftime('%Y%m%dT%H%M%SZ')}.json"

@@ -86,6 +86,7 @@ class SimNetwork:
         self._n = 0
         self._group: dict[str, int] = {}
         self._link_loss: dict[frozenset[str], float] = {}
+        self._slow: dict[str, float] = {}
         self.listeners: list[Listener] = []
         self.log: list[Logged] = []
         self.delivered = 0
@@ -146,6 +147,11 @@ class SimNetwork:
 
     def heal(self) -> None:
         self._group = {}
+
+    def set_slow(self, node_id: str, delay: float) -> None:
+        """Every message to `node_id` waits `delay` more seconds before it is handled
+        (a member starved of CPU); 0 makes it normal again."""
+        self._slow[node_id] = delay
 
     def set_link_loss(self, a: str, b: str, loss: float) -> None:
         """Loss between a and b (both ways) instead of the network's."""
@@ -243,7 +249,8 @@ class SimNetwork:
         if loss and self.rng.random() < loss:
             return
         lo, hi = self.latency
-        self._push(self.now + self.rng.uniform(lo, hi), _DELIVER, (dst, src.swim.id, payload, size))
+        at = self.now + self.rng.uniform(lo, hi) + self._slow.get(dst.id, 0.0)
+        self._push(at, _DELIVER, (dst, src.swim.id, payload, size))
 
     def _deliver(self, dst: SimNode, sender: str, payload: Message | str, size: int) -> None:
         if not dst.up:

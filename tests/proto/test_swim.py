@@ -558,6 +558,29 @@ def test_a_restarted_member_outbids_its_own_death() -> None:
     assert {e.observer for e in back} == {"n0", "n1", "n2", "n3", "n5"}
 
 
+def test_lifeguard_keeps_a_slow_member_from_accusing_the_others() -> None:
+    """A member that handles every message 1.2 s late (starved of CPU) misses its
+    acks. Local health stretches its probes until the acks fit; without it, it
+    suspects about every member it probes."""
+    falsely: dict[bool, int] = {}
+    for lifeguard in (True, False):
+        config = SwimConfig(awareness_max_multiplier=8 if lifeguard else 1)
+        net = SimNetwork(seed=11, config=config, wire="off")
+        names = [f"n{i:02d}" for i in range(30)]
+        net.bootstrap(names)
+        net.run_until(5.0)
+        net.set_slow("n05", 1.2)
+        net.run_until(65.0)
+        accused = {(e.member.id, e.member.incarnation) for e in net.log
+                   if e.kind is EventKind.SUSPECT and e.member.id != "n05"}  # fmt: skip
+        falsely[lifeguard] = len(accused)
+        assert not [e for e in net.log if e.kind is EventKind.DEAD]
+        if lifeguard:
+            assert net.nodes["n05"].swim.health_score > 0
+    assert falsely[True] <= 2
+    assert falsely[False] >= 30
+
+
 def _failure_run(n: int, loss: float, seed: int) -> tuple[SimNetwork, str, float]:
     net = SimNetwork(seed=seed, loss=loss, wire="size")
     names = [f"n{i:04d}" for i in range(n)]
