@@ -172,6 +172,24 @@ def test_no_answer_means_indirect_probes_then_suspicion_and_lower_health() -> No
     assert a.statistics().probes_failed == 1
 
 
+def test_low_health_widens_the_probe_timeout_and_interval() -> None:
+    cores = cluster(["a", "b", "c", "d"])
+    a = cores["a"]
+    t, _ = _first_probe(a, 0.0)
+    a.tick(t + 0.5)
+    # the first probe fails (no nacks either) and the next one starts at once
+    (ping,) = only(a.tick(t + 1.0), Ping)
+    assert a.health_score == 2  # timeouts now scale by 3
+    second = ping.message.target  # type: ignore[union-attr]
+    assert only(a.tick(t + 1.5), PingReq) == []
+    # timeout 1.5 s; one helper: the first target, now suspect, is none
+    assert len(only(a.tick(t + 2.5), PingReq)) == 1
+    a.tick(t + 3.99)
+    assert a.member(second).state is ALIVE  # type: ignore[union-attr]
+    a.tick(t + 4.0)  # interval 3 s
+    assert a.member(second).state is SUSPECT  # type: ignore[union-attr]
+
+
 def test_helpers_that_nack_show_the_target_is_the_problem() -> None:
     cores = cluster(["a", "b", "c", "d"])
     a = cores["a"]
