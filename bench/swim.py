@@ -44,7 +44,7 @@ and once without (`awareness_max_multiplier=1`); counted are the members it
 falsely suspects, the suspicions of it, and deaths.
 
 Results go to bench/results/swim-<UTC timestamp>.json. Pure Python, one
-process; the default run takes about 2 minutes on 2 cores.
+process; the default run takes 2-3 minutes on 2 cores (about 100 s of CPU).
 
     .venv/bin/python bench/swim.py [--members 1000] [--loss 0.01,0.05,0.10] [--kills 10]
 """
