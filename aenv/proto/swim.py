@@ -188,8 +188,8 @@ def _meta(obj: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
         raise MessageError(f"{where}: {key!r} must be an object")
     try:
         size = json_size(v)
-    except (ValueError, RecursionError):
-        raise MessageError(f"{where}: {key!r} is nested too deeply") from None
+    except (ValueError, RecursionError):  # only from a message not built by decode
+        raise MessageError(f"{where}: {key!r} is not JSON") from None
     if size > MAX_META_BYTES:
         raise MessageError(f"{where}: {key!r} is larger than {MAX_META_BYTES} bytes")
     return v
@@ -836,9 +836,10 @@ class Swim:
         """Run the timers that are due."""
         self._start(now)
         out: list[Send] = []
-        self._expire_suspicions(now)
         if not self._left:
             self._probe_step(now, out)
+        # after the probe: its failure may confirm a suspicion past its new deadline
+        self._expire_suspicions(now)
         self._relay_step(now, out)
         self._gossip_step(now, out)
         if not self._left:
@@ -933,6 +934,14 @@ class Swim:
     def member(self, member_id: str) -> Member | None:
         node = self._nodes.get(member_id)
         return None if node is None else node.snapshot()
+
+    def suspicion_deadline(self, member_id: str) -> float | None:
+        """When a suspect member will be declared dead unless it refutes (None if it
+        is not suspect). Lifeguard: it starts `suspicion_max_timeout_mult` times the
+        minimum after the suspicion and moves towards the minimum as other members
+        independently confirm it."""
+        s = self._suspicions.get(member_id)
+        return None if s is None else s.deadline()
 
     @property
     def incarnation(self) -> int:
@@ -1094,11 +1103,14 @@ class Swim:
         if peer:
             state = self._state()
             out.append(Send(peer[0].url, Sync(state)))
-        # One reconnect attempt: a dead member (maybe only cut off) or a seed that is
-        # not a live member, so that partitions heal even after reaping.
-        live_urls = {n.url for n in self._nodes.values() if n.state in _LIVE}
+        # One reconnect attempt, so that partitions heal when the network does: a dead
+        # member (maybe only cut off), or, with probability 1/n (about one member of
+        # the cluster per round, so seeds are not flooded), a seed that is not a live
+        # member's URL: the way back after the other side was reaped.
         candidates = [n.url for n in self._nodes.values() if n.state is MemberState.DEAD]
-        candidates += [u for u in self._seeds if u not in live_urls]
+        if self._seeds and self._rng.random() * self._live < 1:
+            live_urls = {n.url for n in self._nodes.values() if n.state in _LIVE}
+            candidates += [u for u in self._seeds if u not in live_urls]
         if candidates:
             url = self._rng.choice(candidates)
             out.append(Send(url, Sync(state if state is not None else self._state())))
@@ -1122,8 +1134,8 @@ class Swim:
             self._on_dead(now, Dead(nid, node.incarnation, self.id))
 
     def _reap_step(self, now: float) -> None:
-        horizon = now - self.config.reap_after
-        while self._reap and self._reap[0][0] <= horizon:
+        after = self.config.reap_after
+        while self._reap and self._reap[0][0] + after <= now:  # as in next_deadline
             since, nid = self._reap.popleft()
             node = self._nodes.get(nid)
             if node is not None and node.state in _GONE and node.since == since:

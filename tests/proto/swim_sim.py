@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,9 +86,12 @@ class SimNetwork:
         self._n = 0
         self._group: dict[str, int] = {}
         self._link_loss: dict[frozenset[str], float] = {}
+        self._slow: dict[str, float] = {}
         self.listeners: list[Listener] = []
         self.log: list[Logged] = []
         self.delivered = 0
+        self.bytes_by_kind: Counter[str] = Counter()  # sent, by message type
+        self.sent_by_kind: Counter[str] = Counter()
 
     # -- membership of the simulation ---------------------------------------------------
 
@@ -143,6 +147,11 @@ class SimNetwork:
 
     def heal(self) -> None:
         self._group = {}
+
+    def set_slow(self, node_id: str, delay: float) -> None:
+        """Every message to `node_id` waits `delay` more seconds before it is handled
+        (a member starved of CPU); 0 makes it normal again."""
+        self._slow[node_id] = delay
 
     def set_link_loss(self, a: str, b: str, loss: float) -> None:
         """Loss between a and b (both ways) instead of the network's."""
@@ -234,11 +243,14 @@ class SimNetwork:
                 payload = text
         src.bytes_sent += size
         src.messages_sent += 1
+        self.bytes_by_kind[s.message.KIND] += size
+        self.sent_by_kind[s.message.KIND] += 1
         loss = self._link_loss.get(frozenset((src.id, dst.id)), self.loss)
         if loss and self.rng.random() < loss:
             return
         lo, hi = self.latency
-        self._push(self.now + self.rng.uniform(lo, hi), _DELIVER, (dst, src.swim.id, payload, size))
+        at = self.now + self.rng.uniform(lo, hi) + self._slow.get(dst.id, 0.0)
+        self._push(at, _DELIVER, (dst, src.swim.id, payload, size))
 
     def _deliver(self, dst: SimNode, sender: str, payload: Message | str, size: int) -> None:
         if not dst.up:
