@@ -7,6 +7,7 @@ the test process runs:
     root netns: bridge aenvlbr  10.219.0.1/24   the test process, the nodes' gateway
                                 10.219.0.2      the S3 store (moto, in this process)
                                 203.0.113.219   the "internet" sandboxes may reach
+                                203.0.113.220   internet beyond the nodes' egress cap
       aenvlu0 <-> lab0 10.219.0.10 in netns aenvl-n0: node 0 on :8000, names aenvl0,
                                                    slots 10.220.0.0/16
       aenvlu1 <-> lab0 10.219.0.11 in netns aenvl-n1: node 1 ... (10.221.0.0/16)
@@ -73,6 +74,7 @@ SUBNET = ipaddress.IPv4Network("10.219.0.0/24")
 GATEWAY_IP = "10.219.0.1"
 STORE_IP = "10.219.0.2"
 INTERNET_IP = "203.0.113.219"  # TEST-NET-3: never routed on the internet
+OFF_CAP_IP = "203.0.113.220"  # an "internet" address outside the nodes' egress cap
 NODE_PORT = 8000
 SLOT_SPACE = ipaddress.IPv4Network("10.220.0.0/14")
 LOCK_PATH = Path("/run/aenvl.lock")
@@ -440,6 +442,7 @@ class Lab:
             f"addr add {GATEWAY_IP}/{SUBNET.prefixlen} dev {BRIDGE}",
             f"addr add {STORE_IP}/32 dev {BRIDGE}",
             f"addr add {INTERNET_IP}/32 dev {BRIDGE}",
+            f"addr add {OFF_CAP_IP}/32 dev {BRIDGE}",
             f"link set dev {BRIDGE} up",
         ]
         _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")

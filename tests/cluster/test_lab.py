@@ -24,7 +24,7 @@ import pytest
 from e2b import Sandbox
 
 from tests.cluster.conftest import requires_lab
-from tests.cluster.lab import GATEWAY_IP, INTERNET_IP, Lab, LabNode
+from tests.cluster.lab import GATEWAY_IP, INTERNET_IP, OFF_CAP_IP, Lab, LabNode
 
 pytestmark = [requires_lab, pytest.mark.runsc, pytest.mark.lab(nodes=3, store="s3")]
 
@@ -35,18 +35,26 @@ class _Whoami(socketserver.BaseRequestHandler):
 
 
 @pytest.fixture
-def internet(lab: Lab) -> Iterator[str]:
-    """An HTTP server at the lab's internet address that answers with the caller's address."""
+def internet(lab: Lab) -> Iterator[tuple[str, str]]:
+    """HTTP servers that answer with the caller's address: one at the lab's internet
+    address (inside the nodes' egress cap), one outside the cap; their URLs."""
     socketserver.ThreadingTCPServer.allow_reuse_address = True
-    server = socketserver.ThreadingTCPServer((INTERNET_IP, 80), _Whoami)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
+    servers = [
+        socketserver.ThreadingTCPServer((ip, 80), _Whoami) for ip in (INTERNET_IP, OFF_CAP_IP)
+    ]
+    threads = [
+        threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}) for s in servers
+    ]
+    for thread in threads:
+        thread.start()
     try:
-        yield f"http://{INTERNET_IP}/"
+        yield f"http://{INTERNET_IP}/", f"http://{OFF_CAP_IP}/"
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+        for thread in threads:
+            thread.join()
 
 
 def _curl(sbx: Sandbox, url: str) -> str:
@@ -81,16 +89,18 @@ def test_three_nodes_each_run_sandboxes_through_the_sdk(lab: Lab) -> None:
 
 
 def test_sandbox_egress_leaves_through_its_node_and_stays_off_the_lab(
-    lab: Lab, internet: str
+    lab: Lab, internet: tuple[str, str]
 ) -> None:
+    inside_cap, outside_cap = internet
     node, other = lab.node(1), lab.node(0)
     sbx = Sandbox.create("base", timeout=120, **node.sdk())
     try:
         # masqueraded by the node's namespace: the internet sees the node's lab address
-        assert _curl(sbx, internet) == f"from {node.ip}"
-        # the lab network is private: another node, the gateway and the store refuse at once
+        assert _curl(sbx, inside_cap) == f"from {node.ip}"
+        # the lab network is private and the rest is beyond the egress cap: another
+        # node, the gateway, the store and the other internet host refuse at once
         assert lab.s3 is not None
-        for url in (f"{other.url}/health", f"http://{GATEWAY_IP}/", lab.s3.endpoint):
+        for url in (f"{other.url}/health", f"http://{GATEWAY_IP}/", lab.s3.endpoint, outside_cap):
             t0 = time.monotonic()
             assert _curl(sbx, url).startswith("fail:"), url
             assert time.monotonic() - t0 < 3, f"{url}: a refused destination must fail at once"
