@@ -33,11 +33,16 @@ packets on the node's link in each direction (`numgen random`, since this
 kernel has no `sch_netem`; where it has one, `set_delay` adds latency with
 netem). `kill -9`, SIGSTOP and SIGCONT go to the node process.
 
-One lab runs on a machine at a time (its names are fixed): `open_lab` takes
-the lock `/run/aenvl.lock` and first reaps what an earlier, crashed lab left
-(`reap_leftovers`: only names that start with `aenvl` and homes under
-`aenvl-lab-` temp dirs). Closing it stops the nodes, reports what they left
-behind (`Lab.leaks`) and removes everything.
+The names and ranges above are the defaults; a test run that shares the
+machine with another one gives its lab its own with AENV_TEST_LAB_PREFIX
+(`aenvl`), AENV_TEST_LAB_SUBNET (a /24), AENV_TEST_LAB_SLOTS (a /14, split
+between the nodes) and AENV_TEST_LAB_INTERNET (two TEST-NET addresses from
+it). One lab of a prefix runs at a time: `open_lab` takes the lock
+`/run/{prefix}.lock` (waiting a while for another run's lab), and first reaps
+what an earlier, crashed lab of that prefix left (`reap_leftovers`: only
+names of the lab's shapes and homes under `{prefix}-lab-` temp dirs).
+Closing it stops the nodes, reports what they left behind (`Lab.leaks`) and
+removes everything.
 """
 
 from __future__ import annotations
@@ -65,23 +70,34 @@ import httpx
 from tests.conftest import built_home, link_home
 from tests.s3 import MotoS3
 
-LAB = "aenvl"  # every name the lab and its nodes make starts with it
-BRIDGE = "aenvlbr"
-ROOT_TABLE = "aenvl"  # in the root netns: nothing from the lab leaves the machine
-FAULT_TABLE = "aenvlab"  # in each node's netns
-UPLINK = "lab0"  # a node's end of its link to the bridge
-SUBNET = ipaddress.IPv4Network("10.219.0.0/24")
-GATEWAY_IP = "10.219.0.1"
-STORE_IP = "10.219.0.2"
-INTERNET_IP = "203.0.113.219"  # TEST-NET-3: never routed on the internet
-OFF_CAP_IP = "203.0.113.220"  # an "internet" address outside the nodes' egress cap
+# Overridable, so two test runs on one machine each have a lab of their own (the
+# prefix must be unique on the machine: everything named after it is reaped).
+LAB = os.environ.get("AENV_TEST_LAB_PREFIX", "aenvl")
+SUBNET = ipaddress.IPv4Network(os.environ.get("AENV_TEST_LAB_SUBNET", "10.219.0.0/24"))
+SLOT_SPACE = ipaddress.IPv4Network(os.environ.get("AENV_TEST_LAB_SLOTS", "10.220.0.0/14"))
+# TEST-NET-3: never routed on the internet; the next address is outside the nodes' egress cap
+INTERNET_IP = os.environ.get("AENV_TEST_LAB_INTERNET", "203.0.113.219")
+OFF_CAP_IP = str(ipaddress.IPv4Address(INTERNET_IP) + 1)
+
+BRIDGE = f"{LAB}br"
+ROOT_TABLE = LAB  # in the root netns: nothing from the lab leaves the machine
+FAULT_TABLE = f"{LAB}f"  # in each node's netns
+UPLINK = "lab0"  # a node's end of its link to the bridge (inside its netns)
+GATEWAY_IP = str(SUBNET.network_address + 1)
+STORE_IP = str(SUBNET.network_address + 2)
 NODE_PORT = 8000
-SLOT_SPACE = ipaddress.IPv4Network("10.220.0.0/14")
-LOCK_PATH = Path("/run/aenvl.lock")
-HOME_PREFIX = "aenvl-lab-"
+LOCK_PATH = Path(f"/run/{LAB}.lock")
+LOCK_WAIT_S = 120.0  # another run's lab of the same prefix: wait for it, then give up
+HOME_PREFIX = f"{LAB}-lab-"
 MAX_NODES = 16
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
+# the shapes of the names the lab and its nodes make (nothing else is ever reaped)
+_NETNS_RE = re.compile(rf"^{re.escape(LAB)}(-n\d+|\d+-\d+)$")
+_LINK_RE = re.compile(rf"^{re.escape(LAB)}(br|u\d+)$")
+_CGROUP_RE = re.compile(rf"^{re.escape(LAB)}\d+$")
+if not re.fullmatch(r"[a-z][a-z0-9]{3,6}", LAB):
+    raise ValueError(f"AENV_TEST_LAB_PREFIX must be 4-7 lowercase alphanumerics, not {LAB!r}")
 
 Store = Literal["s3", "file"]
 
@@ -103,9 +119,9 @@ def node_ip(index: int) -> str:
 
 
 def slot_cidr(index: int, nodes: int) -> str:
-    """Node `index`'s sandbox range: a /16 of 10.220.0.0/14 for up to 4 nodes, a /18 beyond."""
-    per = 16 if nodes <= 4 else 18
-    return str(list(SLOT_SPACE.subnets(new_prefix=per))[index])
+    """Node `index`'s sandbox range: `SLOT_SPACE` split in 4 for up to 4 nodes, in 16 beyond."""
+    split = 2 if nodes <= 4 else 4
+    return str(list(SLOT_SPACE.subnets(prefixlen_diff=split))[index])
 
 
 def render_faults(*, uplink: str = UPLINK, cut: Collection[str] = (), loss_pct: float = 0.0) -> str:
@@ -248,14 +264,15 @@ def _cgroups(prefixes: Iterable[str]) -> list[Path]:
 def reap_leftovers() -> list[str]:
     """Remove what an earlier lab left on this machine; returns what was removed.
 
-    Only what is the lab's by name: processes in a network namespace named
-    `aenvl*` or running from a home under an `aenvl-lab-` directory (runsc),
-    mounts under such homes, namespaces, root links and cgroups named `aenvl*`,
-    the root table `inet aenvl`, and the old homes in the temp dir. Call it
-    only with the lab lock held.
+    Only what is the lab's by name: processes in the lab's network namespaces
+    (`{LAB}-nI`, `{LAB}I-N`) or running from a home under a `{LAB}-lab-`
+    directory (runsc), mounts under such homes, the namespaces, the root links
+    (`{LAB}br`, `{LAB}uI`), the nodes' cgroups (`{LAB}I`), the root table
+    `inet {LAB}`, and the old homes in the temp dir. Call it only with the lab
+    lock held.
     """
     removed: list[str] = []
-    names = [n for n in _netns_names() if n.startswith(LAB)]
+    names = [n for n in _netns_names() if _NETNS_RE.match(n)]
     inodes = {ino for n in names if (ino := _netns_inode(n)) is not None}
     procs = _processes(netns_inodes=inodes, marker="/" + HOME_PREFIX)
     for pid, args in procs.items():
@@ -274,7 +291,7 @@ def reap_leftovers() -> list[str]:
             cg.rmdir()
             removed.append(f"cgroup {cg}")
     for link in _links():
-        if link.startswith(LAB) and _run(["ip", "link", "del", link], check=False).returncode == 0:
+        if _LINK_RE.match(link) and _run(["ip", "link", "del", link], check=False).returncode == 0:
             removed.append(f"link {link}")
     for name in names:
         if _run(["ip", "netns", "del", name], check=False).returncode == 0:
@@ -292,9 +309,8 @@ def reap_leftovers() -> list[str]:
 
 
 def _cgroup_parents() -> set[str]:
-    pattern = re.compile(rf"^{LAB}\d+$")
     root = Path("/sys/fs/cgroup")
-    return {p.name for p in root.iterdir() if pattern.match(p.name)} if root.is_dir() else set()
+    return {p.name for p in root.iterdir() if _CGROUP_RE.match(p.name)} if root.is_dir() else set()
 
 
 # -- the lab ---------------------------------------------------------------------
@@ -821,10 +837,19 @@ def open_lab(
     LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
     lock = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LabError(f"another lab runs on this machine (it holds {LOCK_PATH})") from None
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LabError(
+                        f"another lab with the prefix {LAB} runs on this machine (it holds "
+                        f"{LOCK_PATH}); give this run its own AENV_TEST_LAB_PREFIX, "
+                        "AENV_TEST_LAB_SUBNET, AENV_TEST_LAB_SLOTS and AENV_TEST_LAB_INTERNET"
+                    ) from None
+                time.sleep(0.5)
         reap_leftovers()
         root = Path(tempfile.mkdtemp(prefix=HOME_PREFIX))
         lab = Lab(

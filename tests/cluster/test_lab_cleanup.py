@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tests.cluster.conftest import requires_lab
-from tests.cluster.lab import LAB, _mounts_under, _netns_names, _processes, open_lab
+from tests.cluster.lab import _NETNS_RE, LAB, _mounts_under, _netns_names, _processes, open_lab
 
 pytestmark = [requires_lab]
 
@@ -66,4 +66,4 @@ def test_the_next_lab_reaps_what_a_crashed_one_left() -> None:
     assert lab.closed is not None
     codes, left = lab.closed
     assert codes == {0: 0} and not left, lab.closed
-    assert not [n for n in _netns_names() if n.startswith(LAB)]
+    assert not [n for n in _netns_names() if _NETNS_RE.match(n)]
