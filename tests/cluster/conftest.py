@@ -14,21 +14,12 @@ left anything behind.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 
 import pytest
 
 from tests.cluster.lab import Lab, open_lab
 from tests.conftest import built_home
-
-requires_lab = pytest.mark.skipif(
-    os.geteuid() != 0
-    or shutil.which("runsc") is None
-    or shutil.which("nsenter") is None
-    or built_home() is None,
-    reason="needs root, runsc, nsenter and AENV_TEST_HOME built by `make test`",
-)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ through the node's uplink and is masqueraded to the node's lab address; the
 egress cap is the lab's internet address, and nothing the lab sends may leave
 the machine (the root table `aenvl` drops what the bridge would route out).
 
-Faults live in the node's namespace, in the nft table `aenvlab` (rewritten in
+Faults live in the node's namespace, in the nft table `aenvlf` (rewritten in
 one transaction from the lab's state on every change, see `render_faults`):
 a partition drops packets between two nodes' addresses in both nodes, both
 directions (a silent network, not a refusal); cutting a node from the store
@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Literal, TypedDict
 
 import httpx
+import pytest
 
 from tests.conftest import built_home, link_home
 from tests.s3 import MotoS3
@@ -100,6 +101,14 @@ if not re.fullmatch(r"[a-z][a-z0-9]{3,6}", LAB):
     raise ValueError(f"AENV_TEST_LAB_PREFIX must be 4-7 lowercase alphanumerics, not {LAB!r}")
 
 Store = Literal["s3", "file"]
+
+requires_lab = pytest.mark.skipif(
+    os.geteuid() != 0
+    or shutil.which("runsc") is None
+    or shutil.which("nsenter") is None
+    or built_home() is None,
+    reason="needs root, runsc, nsenter and AENV_TEST_HOME built by `make test`",
+)
 
 
 class SdkOptions(TypedDict):
@@ -153,7 +162,8 @@ def render_faults(*, uplink: str = UPLINK, cut: Collection[str] = (), loss_pct: 
     if per_10k:
         for chain, side in (("ingress", "iifname"), ("egress", "oifname")):
             lines.append(
-                f'add rule inet {t} {chain} {side} "{uplink}" numgen random mod 10000 < {per_10k} drop'
+                f'add rule inet {t} {chain} {side} "{uplink}" '
+                f"numgen random mod 10000 < {per_10k} drop"
             )
     return "\n".join(lines) + "\n"
 

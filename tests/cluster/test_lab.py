@@ -23,8 +23,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from tests.cluster.conftest import requires_lab
-from tests.cluster.lab import GATEWAY_IP, INTERNET_IP, OFF_CAP_IP, Lab, LabNode
+from tests.cluster.lab import GATEWAY_IP, INTERNET_IP, OFF_CAP_IP, Lab, LabNode, requires_lab
 
 pytestmark = [requires_lab, pytest.mark.runsc, pytest.mark.lab(nodes=3, store="s3")]
 

@@ -1,4 +1,4 @@
-"""A lab whose test process died leaves nodes, sandboxes, namespaces and mounts; the next lab reaps them.
+"""A crashed lab leaves nodes, sandboxes, namespaces and mounts; the next lab reaps them.
 
 Rules: the crashed lab is a child Python process with one node and one
 running sandbox, killed with SIGKILL (its nodes and their runsc processes
@@ -13,8 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cluster.conftest import requires_lab
-from tests.cluster.lab import _NETNS_RE, LAB, _mounts_under, _netns_names, _processes, open_lab
+from tests.cluster.lab import (
+    _NETNS_RE,
+    LAB,
+    _mounts_under,
+    _netns_names,
+    _processes,
+    open_lab,
+    requires_lab,
+)
 
 pytestmark = [requires_lab]
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 from e2b import Sandbox
 
-from tests.cluster.conftest import requires_lab
-from tests.cluster.lab import Lab, LabError
+from tests.cluster.lab import Lab, LabError, requires_lab
 
 pytestmark = [requires_lab, pytest.mark.runsc, pytest.mark.lab(nodes=2, store="file")]
 
