@@ -393,6 +393,7 @@ class Lab:
         api_key: str,
         env: Mapping[str, str],
         node_env: Mapping[int, Mapping[str, str]],
+        bare_homes: Collection[int] = (),
     ) -> None:
         self.root = root
         self.api_key = api_key
@@ -407,6 +408,7 @@ class Lab:
         self._env = dict(env)
         self._node_env = {i: dict(e) for i, e in node_env.items()}
         self._count = nodes
+        self._bare = set(bare_homes)
 
     # -- set up and tear down ------------------------------------------------------
 
@@ -427,7 +429,10 @@ class Lab:
         for i in range(self._count):
             home = self.root / f"n{i}"
             home.mkdir()
-            link_home(built, home)
+            if i in self._bare:  # the node's software only: its templates must come from the store
+                (home / "bundle").symlink_to(built / "bundle")
+            else:
+                link_home(built, home)
             env = {
                 "AENV_HOME": str(home),
                 "AENV_LISTEN": f"{node_ip(i)}:{NODE_PORT}",
@@ -832,10 +837,13 @@ def open_lab(
     store: Store = "s3",
     env: Mapping[str, str] | None = None,
     node_env: Mapping[int, Mapping[str, str]] | None = None,
+    bare_homes: Collection[int] = (),
 ) -> Iterator[Lab]:
     """A running lab of `nodes` nodes sharing one store (`"s3"`: moto at
     10.219.0.2; `"file"`: one shared directory); `env` goes to every node,
-    `node_env[i]` to node i (both over the lab's own settings).
+    `node_env[i]` to node i (both over the lab's own settings). The homes of
+    the nodes in `bare_homes` have the envd bundle but no templates; the
+    others link the built test home's.
 
     On leaving, the nodes are stopped and the lab removed; the block's
     `Lab.closed` holds the nodes' exit statuses and leaks for the caller to check.
@@ -869,6 +877,7 @@ def open_lab(
             api_key="aenv_lab_" + secrets.token_hex(8),
             env=env or {},
             node_env=node_env or {},
+            bare_homes=bare_homes,
         )
         try:
             lab._setup()
