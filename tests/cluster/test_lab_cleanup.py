@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.cluster.lab import (
     _NETNS_RE,
     LAB,
@@ -23,7 +25,7 @@ from tests.cluster.lab import (
     requires_lab,
 )
 
-pytestmark = [requires_lab]
+pytestmark = [requires_lab, pytest.mark.runsc]
 
 CRASHING = """
 import sys
@@ -45,23 +47,26 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_next_lab_reaps_what_a_crashed_one_left() -> None:
-    child = subprocess.Popen(
+    repo = Path(__file__).resolve().parents[2]
+    with subprocess.Popen(
         [sys.executable, "-c", CRASHING],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-    )
-    assert child.stdout is not None
-    line = child.stdout.readline().decode().split()
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    ) as child:
+        try:
+            assert child.stdout is not None
+            line = child.stdout.readline().decode().split()
+        finally:
+            child.kill()
     assert line, "the crashing lab did not come up"
     root, node_pid = Path(line[0]), int(line[1])
-    child.kill()
-    child.wait()
-    # what it left: its node (with its sandbox), namespaces, its home with mounts
+    # what it left: its node, its sandbox's runsc, namespaces, its home with mounts
     assert _alive(node_pid)
     assert f"{LAB}-n0" in _netns_names()
     assert _processes(netns_inodes=set(), marker=str(root) + "/")
+    assert _mounts_under(str(root) + "/")
     assert root.is_dir()
 
     with open_lab(nodes=1) as lab:
