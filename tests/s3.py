@@ -1,7 +1,8 @@
 """A real S3 API for tests: moto in server mode on a loopback port, with failure injection.
 
-`MotoS3` runs moto's `ThreadedMotoServer` on a free loopback port and creates
-a bucket through boto3. It can be stopped (the port then refuses connections,
+`MotoS3` runs moto's `ThreadedMotoServer` on a free loopback port (or a free
+port of another local address, `host`: the cluster lab binds it to its
+bridge) and creates a bucket through boto3. It can be stopped (the port then refuses connections,
 requests in flight have their connection reset) and started again on the same
 port; moto keeps its state in the process, so the bucket and its objects
 survive a restart, as with a real server that went away and came back.
@@ -39,17 +40,17 @@ _StartResponse = Callable[..., Any]
 _App = Callable[[dict[str, Any], _StartResponse], Iterable[bytes]]
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 class _Server(ThreadedMotoServer):
     """ThreadedMotoServer whose WSGI app is wrapped by `wrap`."""
 
-    def __init__(self, port: int, wrap: Callable[[_App], _App]) -> None:
-        super().__init__(ip_address="127.0.0.1", port=port, verbose=False)
+    def __init__(self, host: str, port: int, wrap: Callable[[_App], _App]) -> None:
+        super().__init__(ip_address=host, port=port, verbose=False)
         self._wrap = wrap
 
     def _server_entry(self) -> None:
@@ -69,10 +70,11 @@ class _Server(ThreadedMotoServer):
 
 
 class MotoS3:
-    def __init__(self, *, bucket: str = "aenv-test") -> None:
+    def __init__(self, *, bucket: str = "aenv-test", host: str = "127.0.0.1") -> None:
         self.bucket = bucket
-        self.port = _free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = _free_port(host)
+        self.endpoint = f"http://{host}:{self.port}"
         self.requests = 0
         self._lock = threading.Lock()
         self._conditional = threading.Lock()  # one conditional write at a time, as in S3
@@ -91,7 +93,7 @@ class MotoS3:
         if self._server is not None:
             return
         self._dead = False
-        server = _Server(self.port, self._wrap)
+        server = _Server(self.host, self.port, self._wrap)
         server.start()
         self._server = server
         client = boto3.client(
