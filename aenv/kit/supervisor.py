@@ -221,6 +221,7 @@ class ChildHandle(Generic[T]):
         self._scope = trio.CancelScope()
         self._done = trio.Event()
         self._stop_requested_at = math.inf
+        self._stop_grace_s = math.inf  # the grace period of the stop request, once made
 
     def __repr__(self) -> str:
         return f"<child {self.supervisor.name}/{self.name} {self.state.value}>"
@@ -246,6 +247,7 @@ class ChildHandle(Generic[T]):
         if self.state in (ChildState.STARTING, ChildState.RUNNING):
             self.state = ChildState.STOPPING
         grace = self.grace_s if grace_s is None else grace_s
+        self._stop_grace_s = min(self._stop_grace_s, grace)
         self._scope.deadline = min(self._scope.deadline, trio.current_time() + grace)
 
     async def stop(self, reason: str, *, grace_s: float | None = None) -> None:
@@ -431,7 +433,9 @@ class Supervisor:
                 await self._incarnations(child, task_status)
             if child._scope.cancelled_caught:
                 child.state = ChildState.STOPPED
-                log.warning(
+                log.log(
+                    # a child stopped without grace is cancelled by design
+                    logging.WARNING if child._stop_grace_s > 0 else logging.DEBUG,
                     "%s/%s: still running %gs after the stop request (%s), cancelled",
                     self.name,
                     child.name,

@@ -918,6 +918,7 @@ async def open_node_on(
             yield node
             with trio.move_on_after(SERVICES_STOP_S):
                 await services.aclose("the node is stopping")
+            await services.aclose("the node is stopping", grace_s=0.0)  # what is left
             await sandboxes.aclose("the node is stopping")
         finally:
             nursery.cancel_scope.cancel()
