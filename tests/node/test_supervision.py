@@ -21,6 +21,7 @@ import trio.testing
 
 import aenv.node.durable
 from aenv.kit.supervisor import ChildState, StopToken
+from aenv.node.durable import JOB_RESTARTS
 from aenv.node.node import SERVICES_STOP_S, Node
 from aenv.node.pool import FILLER_RESTARTS
 from aenv.node.sandbox import Pause, Resume, SandboxNotRunning, SetTimeout
@@ -119,6 +120,36 @@ async def test_an_upload_that_fails_is_restarted_and_the_snapshot_becomes_durabl
         assert node.services.statistics().restarts == 1
         assert node.services.statistics().failed == 0
         assert any((tmp_path / "store").rglob("*"))
+
+
+async def test_a_store_gc_that_keeps_failing_is_given_up_and_the_node_serves_on(
+    clock: trio.testing.MockClock,
+    autojump: AutoJump,
+    tmp_path: Path,
+    fake: FakeHost,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runs: list[float] = []
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        runs.append(trio.current_time())
+        raise RuntimeError("the collector broke")
+
+    monkeypatch.setattr(aenv.node.durable, "collect_garbage", broken)
+    config = node_config(tmp_path, store_url=f"file://{tmp_path / 'store'}")
+    async with open_test_node(config, fake) as node:
+        source = await create(node, timeout_s=600)
+        doc = await node.snapshot(source, "mine", memory=True, wait_s=60)
+        await node.durable.wait_durable(doc["snapshotID"])
+        await node.snapshots.delete(doc["snapshotID"])  # deleted from the store: a GC runs
+        attempts = JOB_RESTARTS.max_restarts + 1
+        await autojump.until(lambda: len(runs) == attempts)
+        await autojump.until(lambda: node.services.get("store gc") is None)
+        assert node.services.statistics().failed == 1
+        await trio.sleep(300)
+        assert len(runs) == attempts  # given up
+        other = await create(node)
+        assert other.state is lc.State.RUNNING and source.state is lc.State.RUNNING
 
 
 async def test_stopping_the_node_stops_every_child_within_its_grace(
