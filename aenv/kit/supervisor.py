@@ -22,6 +22,12 @@ Children are async functions taking the `StopToken`; started with
 `await supervisor.start(...)`, they also take `task_status` and report
 readiness with `task_status.started(value)`, exactly like `nursery.start`: a
 failure before that propagates to the starter and is not restarted.
+
+A one-shot job whose caller wants its outcome (a fork, a snapshot) runs
+with `await supervisor.run(name, afn)`: a supervised child like any other
+(restarted only if its policy says so, stopped with the supervisor, its
+failure logged and never escalated) whose return value or final failure
+the caller gets; the caller giving up leaves the job running.
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ from typing import Any, Generic, Protocol, TypeVar
 import trio
 
 __all__ = [
+    "ONE_SHOT",
     "ChildHandle",
     "ChildState",
+    "ChildStopped",
     "Restart",
     "RestartPolicy",
     "StopToken",
@@ -103,6 +111,10 @@ class SupervisionError(Exception):
         self.child = child
 
 
+class ChildStopped(Exception):
+    """A job run with `Supervisor.run` was stopped (or cancelled) before it finished."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RestartPolicy:
     """When and how often a child is restarted.
@@ -135,6 +147,9 @@ class RestartPolicy:
     def backoff(self, n: int, rng: random.Random) -> float:
         d = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** min(n, 64))
         return d - rng.uniform(0, self.jitter * d)
+
+
+ONE_SHOT = RestartPolicy(restart=Restart.TEMPORARY)
 
 
 class StopToken:
@@ -195,6 +210,8 @@ class ChildHandle(Generic[T]):
         self.grace_s = grace_s
         self.state = ChildState.STARTING if ready else ChildState.RUNNING
         self.value: T | None = None
+        self.result: object = None  # what the child returned, once it exited normally
+        self.ended_at: float | None = None  # when it ended (trio's clock)
         self.restarts = 0
         self.failures = 0
         self.error: Exception | None = None  # the latest failure
@@ -204,6 +221,7 @@ class ChildHandle(Generic[T]):
         self._scope = trio.CancelScope()
         self._done = trio.Event()
         self._stop_requested_at = math.inf
+        self._stop_grace_s = math.inf  # the grace period of the stop request, once made
 
     def __repr__(self) -> str:
         return f"<child {self.supervisor.name}/{self.name} {self.state.value}>"
@@ -229,6 +247,7 @@ class ChildHandle(Generic[T]):
         if self.state in (ChildState.STARTING, ChildState.RUNNING):
             self.state = ChildState.STOPPING
         grace = self.grace_s if grace_s is None else grace_s
+        self._stop_grace_s = min(self._stop_grace_s, grace)
         self._scope.deadline = min(self._scope.deadline, trio.current_time() + grace)
 
     async def stop(self, reason: str, *, grace_s: float | None = None) -> None:
@@ -322,6 +341,34 @@ class Supervisor:
         await self._nursery.start(self._supervise, child, name=f"{self.name}/{name}")
         return child
 
+    async def run(
+        self,
+        name: str,
+        afn: Callable[[StopToken], Awaitable[T]],
+        *,
+        policy: RestartPolicy | None = None,
+        grace_s: float | None = None,
+    ) -> T:
+        """Run the one-shot job `afn(stop_token)` as child `name` and return what it
+        returns; its failure (once `policy`, by default no restart, allows no more)
+        is logged, marks the child failed and is raised here, never escalated; a
+        stop raises `ChildStopped`. The job belongs to the supervisor: cancelling
+        this call leaves it running."""
+        child = self.start_soon(
+            name,
+            afn,
+            policy=policy or ONE_SHOT,
+            strategy=Strategy.RESTART,
+            give_up=Strategy.FAIL,
+            grace_s=grace_s,
+        )
+        await child.wait()
+        if child.state is ChildState.EXITED:
+            return child.result  # type: ignore[return-value]
+        if child.state is ChildState.FAILED and child.error is not None:
+            raise child.error
+        raise ChildStopped(f"{self.name}/{name} was stopped ({child.stop_reason or 'cancelled'})")
+
     def get(self, name: str) -> ChildHandle[Any] | None:
         """The supervised child called `name`, if one is supervised now."""
         return self._live.get(name)
@@ -386,7 +433,9 @@ class Supervisor:
                 await self._incarnations(child, task_status)
             if child._scope.cancelled_caught:
                 child.state = ChildState.STOPPED
-                log.warning(
+                log.log(
+                    # a child stopped without grace is cancelled by design
+                    logging.WARNING if child._stop_grace_s > 0 else logging.DEBUG,
                     "%s/%s: still running %gs after the stop request (%s), cancelled",
                     self.name,
                     child.name,
@@ -400,6 +449,7 @@ class Supervisor:
                 self._failed += 1
             if self._live.get(child.name) is child:
                 del self._live[child.name]
+            child.ended_at = trio.current_time()
             child._done.set()
 
     async def _incarnations(self, child: ChildHandle[Any], starter: trio.TaskStatus[None]) -> None:
@@ -414,11 +464,13 @@ class Supervisor:
             readiness = _Readiness(child, starter if awaiting_ready else None)
             try:
                 if child._ready:
-                    await child._afn(child.token, task_status=readiness)
+                    result = await child._afn(child.token, task_status=readiness)
                 else:
-                    await child._afn(child.token)
+                    result = await child._afn(child.token)
             except Exception as exc:
                 failure = exc
+            else:
+                child.result = result
             if awaiting_ready and not readiness.reported:
                 # as nursery.start: the starter gets the error (or trio's
                 # "exited without calling started" RuntimeError), no restart

@@ -2,7 +2,8 @@
 
 `Builds` is the node's registry of builds. `request` reserves a build of a
 named template (a new template ID for a new name, the same ID for a rebuild)
-in state `waiting`; `start` runs it as one task in the node's nursery:
+in state `waiting`; `start` runs it as a one-shot job of the node's
+`services` supervisor (never restarted: its failure is recorded in the build):
 pull the image (or resolve the base template), start a build sandbox from it,
 apply the steps in order through the sandbox's envd (ENV accumulates, WORKDIR
 makes the directory and moves there, USER switches user, RUN runs `/bin/sh -c`
@@ -35,8 +36,9 @@ import trio
 
 from aenv.images.service import Images
 from aenv.images.store import ImageRecord
+from aenv.kit.supervisor import ONE_SHOT, StopToken, Strategy, Supervisor
 from aenv.node.envd_client import EnvdClient
-from aenv.node.sandbox import SandboxActor, Snapshot
+from aenv.node.sandbox import SandboxActor
 from aenv.node.snapshots import Snapshots
 from aenv.proto import connect as cn
 from aenv.proto.ids import InvalidName, check_name
@@ -219,6 +221,10 @@ class BuildHost(Protocol):
 
     async def create(self, req: NewSandbox) -> SandboxActor: ...
 
+    async def snapshot(
+        self, source: SandboxActor, name: str | None, *, memory: bool, wait_s: float
+    ) -> dict[str, Any]: ...
+
     async def resolve_template(self, name: str) -> Template: ...
 
     def image_template(
@@ -238,11 +244,12 @@ class Sharing(Protocol):
 
 
 class Builds:
-    """The node's template builds, by build ID; each running build is a task in `nursery`."""
+    """The node's template builds, by build ID; each running build is a one-shot
+    job of `services`."""
 
-    def __init__(self, node: BuildHost, nursery: trio.Nursery) -> None:
+    def __init__(self, node: BuildHost, services: Supervisor) -> None:
         self.node = node
-        self._nursery = nursery
+        self._services = services
         self._builds: OrderedDict[str, Build] = OrderedDict()
 
     # -- registry --------------------------------------------------------------
@@ -299,7 +306,18 @@ class Builds:
         if spec.from_template in (build.template_id, build.name):
             raise BuildConflict("a template cannot be built from itself")
         build.status = "building"
-        self._nursery.start_soon(self._run, build, spec)
+
+        async def run(_stop: StopToken) -> None:
+            await self._run(build, spec)
+
+        self._services.start_soon(
+            f"build {build.build_id}",
+            run,
+            policy=ONE_SHOT,
+            strategy=Strategy.FAIL,
+            give_up=Strategy.FAIL,
+            grace_s=0.0,  # a node stop cancels it: recorded "cancelled"
+        )
 
     async def backing(self, snapshot_id: str) -> Template | None:
         """The template whose sandboxes restore `snapshot_id`, if any."""
@@ -342,7 +360,7 @@ class Builds:
             if spec.start_cmd or spec.ready_cmd:
                 await self._start(build, actor, state, spec)
             build.log("capturing the sandbox (memory and filesystem)", step=step)
-            doc = await actor.mailbox.ask(Snapshot(None, True), timeout=SNAPSHOT_TIMEOUT_S)
+            doc = await self.node.snapshot(actor, None, memory=True, wait_s=SNAPSHOT_TIMEOUT_S)
             snapshot_id = str(doc["snapshotID"])
             env = {**base.env_map, **state.env}
             template, replaced = await trio.to_thread.run_sync(

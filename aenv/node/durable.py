@@ -1,16 +1,20 @@
 """Durable snapshots: the node's uploads to the object store and restores from it.
 
 `Durable` owns the node's `ObjectStore` (`Config.effective_store_url`; none
-when durable storage is off) and, in the node's nursery, one supervised,
-cancellable upload task per snapshot: a new snapshot is recorded
+when durable storage is off) and, under the node's `services` supervisor,
+one cancellable upload job per snapshot: a new snapshot is recorded
 `uploading` (in the same SQLite write as the rest of its record, so a crash
 cannot lose the intent), its task uploads it with
 `aenv.storage.snapstore.upload_snapshot` under a node-wide bound on
 concurrent uploads, retries with capped exponential backoff for as long as
 the node lives when the store fails, and marks it `durable` once the
 manifest is written. On start, every snapshot still `uploading` resumes
-(uploads are idempotent: blobs already there are skipped). Internal
-snapshots (a template's warm snapshot) stay `local`.
+(uploads are idempotent: blobs already there are skipped, so an upload that
+crashes is restarted by its supervisor, `UPLOAD_RESTARTS`, and one given up
+on stays `uploading`, its error recorded, for the next start). Internal
+snapshots (a template's warm snapshot) stay `local`. Template shares, layer
+copies (`_materialise`) and the store's garbage collection are jobs of the
+same supervisor, restarted likewise after an unexpected failure.
 
 An upload names the node's closest durable snapshots (`image_bases`) so
 the memory pages they stored are referenced, not uploaded again.
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 import secrets
@@ -50,6 +56,7 @@ from aenv.images.service import Images
 from aenv.images.store import ImageNotPulled, ImageRecord
 from aenv.kit.faults import crash_point
 from aenv.kit.retry import Backoff
+from aenv.kit.supervisor import ChildHandle, RestartPolicy, StopToken, Strategy, Supervisor
 from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot, Snapshots, is_internal
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imagetree import ImageTree, TreeError
@@ -106,6 +113,10 @@ LAZY_KEY_PREFIX = "layer-"  # image mount directories of layers served on demand
 RETRY_BASE_S = 0.5
 RETRY_MAX_S = 10.0
 WAIT_DURABLE_S = 600.0
+# Store errors are retried inside each job; these restart a job that failed otherwise
+# (all of them are idempotent): 3 times within 10 minutes, after about 1, 2 and 4 s.
+UPLOAD_RESTARTS = RestartPolicy(max_restarts=3, window_s=600.0, backoff_base_s=1.0)
+JOB_RESTARTS = UPLOAD_RESTARTS
 
 
 class Durable:
@@ -118,7 +129,7 @@ class Durable:
         layers: LayerStore,
         templates: TemplateStore,
         images: Images,
-        nursery: trio.Nursery,
+        services: Supervisor,
     ) -> None:
         self._config = config
         self._snapshots = snapshots
@@ -129,10 +140,9 @@ class Durable:
         url = config.effective_store_url
         self.store: ObjectStore | None = open_object_store(url) if url else None
         self.grace_s = config.store_gc_grace_s
-        self._nursery = nursery
-        self._uploads: dict[str, trio.CancelScope] = {}
-        self._done: dict[str, trio.Event] = {}
-        self._ended: dict[str, trio.Event] = {}
+        self._services = services
+        self._jobs = itertools.count(1)  # numbers jobs that may run more than once at a time
+        self._uploads: dict[str, ChildHandle[None]] = {}  # by snapshot ID
         self._limiter = trio.CapacityLimiter(UPLOAD_CONCURRENCY)
         self._restoring: dict[str, trio.Lock] = {}
         self._found: dict[str, Manifest] = {}
@@ -150,12 +160,28 @@ class Durable:
     def spawn(self, doc: dict[str, Any]) -> None:
         """Start uploading a snapshot recorded `uploading` (no-op otherwise)."""
         snap_id = str(doc["snapshotID"])
-        if self.store is None or doc.get("storage") != "uploading" or snap_id in self._uploads:
+        running = self._uploads.get(snap_id)
+        if self.store is None or doc.get("storage") != "uploading":
             return
-        scope = trio.CancelScope()
-        self._uploads[snap_id] = scope
-        self._ended[snap_id] = trio.Event()
-        self._nursery.start_soon(self._upload, snap_id, scope)
+        if running is not None and not running.done:
+            return
+        self._uploads[snap_id] = self._services.start_soon(
+            f"upload {snap_id}",
+            functools.partial(self._upload, snap_id),
+            policy=UPLOAD_RESTARTS,
+            give_up=Strategy.FAIL,
+            grace_s=0.0,  # resumed at the next start
+        )
+
+    def _job(self, what: str, afn: Any) -> None:
+        """Run `afn(stop)` as a job of the services, restarted after a failure."""
+        self._services.start_soon(
+            f"{what} #{next(self._jobs)}",
+            afn,
+            policy=JOB_RESTARTS,
+            give_up=Strategy.FAIL,
+            grace_s=0.0,
+        )
 
     async def resume(self) -> None:
         """Restart the uploads and template shares an earlier node process left unfinished."""
@@ -171,70 +197,70 @@ class Durable:
                 log.info("resuming the share of template %s", template.template_id)
                 self.share_template(template)
 
-    async def _upload(self, snap_id: str, scope: trio.CancelScope) -> None:
+    async def _upload(self, snap_id: str, _stop: StopToken) -> None:
+        """Upload snapshot `snap_id`, retrying store errors for as long as it takes;
+        another failure is recorded in the snapshot and raised to the supervisor."""
+        try:
+            await self._upload_until_stored(snap_id)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                await self._snapshots.update(snap_id, storageError=f"the upload failed: {exc!r}")
+            raise
+        if self._uploads.get(snap_id) is self._services.get(f"upload {snap_id}"):
+            del self._uploads[snap_id]  # (a failed one stays, done, for `wait_durable`)
+
+    async def _upload_until_stored(self, snap_id: str) -> None:
         assert self.store is not None
         delays = Backoff(base_s=RETRY_BASE_S, max_s=RETRY_MAX_S).delays()
-        try:
-            with scope:
-                while True:
-                    doc = await self._meta.run(self._meta.store.get_snapshot, snap_id)
-                    if doc is None:
-                        return  # deleted
-                    try:
-                        async with self._limiter:
-                            report = await self._upload_once(doc)
-                        crash_point("upload.stored")
-                    except StoreError as exc:
-                        delay = next(delays)
-                        level = (
-                            logging.WARNING if isinstance(exc, StoreUnavailable) else logging.ERROR
-                        )
-                        log.log(
-                            level,
-                            "upload of snapshot %s failed, retrying in %.1fs: %s",
-                            snap_id,
-                            delay,
-                            exc,
-                        )
-                        await self._snapshots.update(snap_id, storageError=str(exc))
-                        await trio.sleep(delay)
-                        continue
-                    except (OSError, LayerError) as exc:
-                        log.error("snapshot %s cannot be uploaded: %r", snap_id, exc)
-                        await self._snapshots.update(
-                            snap_id, storage="local", storageError=f"cannot upload: {exc}"
-                        )
-                        return
-                    await self._snapshots.update(
-                        snap_id,
-                        storage="durable",
-                        storageError=None,
-                        upload={
-                            "bytes": report.bytes_uploaded,
-                            "layerBytes": report.layer_bytes,
-                            "imageBytes": report.image_bytes,
-                            "blobs": report.blobs,
-                            "uploadedBlobs": report.uploaded,
-                            "imagePages": report.image_pages,
-                            "reusedPages": report.reused_pages,
-                        },
-                    )
-                    log.info(
-                        "snapshot %s is durable: %d of %d blobs uploaded, %d bytes",
-                        snap_id,
-                        report.uploaded,
-                        report.blobs,
-                        report.bytes_uploaded,
-                    )
-                    return
-        except Exception:
-            log.exception("the upload of snapshot %s crashed", snap_id)
-        finally:
-            self._uploads.pop(snap_id, None)
-            for events in (self._done, self._ended):
-                ev = events.pop(snap_id, None)
-                if ev is not None:
-                    ev.set()
+        while True:
+            doc = await self._meta.run(self._meta.store.get_snapshot, snap_id)
+            if doc is None:
+                return  # deleted
+            try:
+                async with self._limiter:
+                    report = await self._upload_once(doc)
+                crash_point("upload.stored")
+            except StoreError as exc:
+                delay = next(delays)
+                level = logging.WARNING if isinstance(exc, StoreUnavailable) else logging.ERROR
+                log.log(
+                    level,
+                    "upload of snapshot %s failed, retrying in %.1fs: %s",
+                    snap_id,
+                    delay,
+                    exc,
+                )
+                await self._snapshots.update(snap_id, storageError=str(exc))
+                await trio.sleep(delay)
+                continue
+            except (OSError, LayerError) as exc:
+                log.error("snapshot %s cannot be uploaded: %r", snap_id, exc)
+                await self._snapshots.update(
+                    snap_id, storage="local", storageError=f"cannot upload: {exc}"
+                )
+                return
+            await self._snapshots.update(
+                snap_id,
+                storage="durable",
+                storageError=None,
+                upload={
+                    "bytes": report.bytes_uploaded,
+                    "layerBytes": report.layer_bytes,
+                    "imageBytes": report.image_bytes,
+                    "blobs": report.blobs,
+                    "uploadedBlobs": report.uploaded,
+                    "imagePages": report.image_pages,
+                    "reusedPages": report.reused_pages,
+                },
+            )
+            log.info(
+                "snapshot %s is durable: %d of %d blobs uploaded, %d bytes",
+                snap_id,
+                report.uploaded,
+                report.blobs,
+                report.bytes_uploaded,
+            )
+            return
 
     async def _upload_once(self, doc: dict[str, Any]) -> Any:
         assert self.store is not None
@@ -265,13 +291,13 @@ class Durable:
         doc: dict[str, Any] | None = None
         with trio.move_on_after(within_s):
             while True:
-                ev = self._done.setdefault(snap_id, trio.Event())
+                upload = self._uploads.get(snap_id)
                 doc = await self._meta.run(self._meta.store.get_snapshot, snap_id)
                 if doc is None:
                     raise CorruptSnapshot(f"snapshot {snap_id} was deleted")
-                if doc.get("storage") != "uploading" or snap_id not in self._uploads:
+                if doc.get("storage") != "uploading" or upload is None or upload.done:
                     return doc
-                await ev.wait()
+                await upload.wait()
         assert doc is not None
         return doc
 
@@ -282,9 +308,11 @@ class Durable:
         background and retrying, so that any node sharing the store can start it."""
         if self.store is None or template.template_id in DEFAULT_TEMPLATE_IDS:
             return
-        self._nursery.start_soon(self._share_template, template)
+        self._job(
+            f"share {template.template_id}", functools.partial(self._share_template, template)
+        )
 
-    async def _share_template(self, template: Template) -> None:
+    async def _share_template(self, template: Template, _stop: StopToken) -> None:
         assert self.store is not None
         templates = self._templates
         await trio.to_thread.run_sync(templates.mark_share_pending, template.template_id, True)
@@ -519,7 +547,7 @@ class Durable:
                     index=raw,
                     size_bytes=index.content_bytes,
                 )
-                self._nursery.start_soon(self._materialise, sl.id)
+                self._job(f"copy layer {sl.id}", functools.partial(self._materialise, sl.id))
             doc = await snapshots.adopt(
                 doc={
                     **m.record,
@@ -579,9 +607,9 @@ class Durable:
                 log.error("layer %s cannot be served: %s", layer_id, exc)
                 continue
             if self.store is not None:
-                self._nursery.start_soon(self._materialise, layer_id)
+                self._job(f"copy layer {layer_id}", functools.partial(self._materialise, layer_id))
 
-    async def _materialise(self, layer_id: str) -> None:
+    async def _materialise(self, layer_id: str, _stop: StopToken) -> None:
         """Copy a layer served on demand to local disk, retrying while the store fails;
         then its open-from-now-on files are read from disk, not through the store."""
         assert self.store is not None
@@ -632,12 +660,9 @@ class Durable:
 
     async def _deleted(self, doc: dict[str, Any]) -> None:
         snap_id = str(doc["snapshotID"])
-        scope = self._uploads.get(snap_id)
-        if scope is not None:
-            ended = self._ended.get(snap_id)
-            scope.cancel()
-            if ended is not None:
-                await ended.wait()
+        upload = self._uploads.pop(snap_id, None)
+        if upload is not None:
+            await upload.stop("its snapshot was deleted", grace_s=0.0)
         if self.store is None or doc.get("storage", "local") == "local":
             return
         try:
@@ -645,7 +670,20 @@ class Durable:
         except StoreError as exc:
             log.error("snapshot %s stays in the object store: %s", snap_id, exc)
             return
-        self._nursery.start_soon(self.collect)
+        self.start_collect()
+
+    def start_collect(self) -> None:
+        """Run `collect` as a job of the services (one more pass if one runs now)."""
+        if self._services.get("store gc") is not None:
+            self._gc_again = True
+            return
+
+        async def gc(_stop: StopToken) -> None:
+            await self.collect()
+
+        self._services.start_soon(
+            "store gc", gc, policy=JOB_RESTARTS, give_up=Strategy.FAIL, grace_s=0.0
+        )
 
     async def collect(self) -> GcReport | None:
         """One mark-and-sweep of the store (coalesced: one more run if asked meanwhile)."""

@@ -1,13 +1,27 @@
-"""The Node supervisor: owns the sandbox table and every sandbox actor.
+"""The Node: owns the sandbox table, every sandbox actor and the node's services.
 
 `open_node(config)` sets up the node-wide services on this machine (API key,
 runsc, overlay roots, host network, images), reaps what an earlier crashed
 process left behind, and yields a `Node` from `open_node_on(host, ...)`,
 which runs a node on any `aenv.node.host.Host` (the in-process tests give
-it scripted ones). Sandbox actors run in the node's nursery; leaving the
-block cancels them, and each tears its sandbox down in its own `finally`.
-The table is only mutated by this module, from synchronous code, so trio's
-cooperative scheduling keeps it consistent.
+it scripted ones). The table is only mutated by this module, from
+synchronous code, so trio's cooperative scheduling keeps it consistent.
+
+Everything long-lived runs under one of the node's two supervisors
+(`aenv.kit.supervisor`): `sandboxes` runs one child per sandbox actor (no
+restart: an actor contains its own failures, marks its sandbox failed and
+tears it down; the supervisor logs whatever still escapes), `services`
+runs the rest, each with its own restart policy: the memory watcher and the
+host network's watchdog, the pool fillers (`aenv.node.pool`), template
+warm-ups (`aenv.node.warm`), builds (`aenv.node.builds`), uploads, template
+shares, layer copies and the store's garbage collection
+(`aenv.node.durable`), and one-shot jobs: the second half of a fork
+(`aenv.node.forks`) or a snapshot (`aenv.node.snapshots.record_capture`)
+after the sandbox's own capture, and background calls (`start_background`).
+None of them escalates: a child that keeps failing is given up on, logged,
+and the node runs on. Leaving the block stops the services, then the
+sandboxes, each on its stop ladder (every sandbox is cancelled at once and
+tears itself down in its `finally`, as a node stop always did).
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import os
@@ -31,17 +46,23 @@ import trio
 from aenv.config import Config
 from aenv.images.service import Images, open_images
 from aenv.images.store import ImageRecord
-from aenv.kit.faults import crash_point
-from aenv.kit.mailbox import Busy, Request
+from aenv.kit.mailbox import Busy
 from aenv.kit.metrics import Registry
-from aenv.kit.supervisor import RestartPolicy, StopToken, Strategy, Supervisor, run_supervisor
-from aenv.node import pressure
+from aenv.kit.supervisor import (
+    ONE_SHOT,
+    RestartPolicy,
+    StopToken,
+    Strategy,
+    Supervisor,
+    run_supervisor,
+)
+from aenv.node import forks, pressure
 from aenv.node.builds import Builds
 from aenv.node.durable import Durable
 from aenv.node.host import Host, HttpEnvd, WritableRoots
 from aenv.node.pool import Pool
-from aenv.node.sandbox import Fork, Resume, SandboxActor, Snapshot, policy_of
-from aenv.node.snapshots import CorruptSnapshot, Snapshots
+from aenv.node.sandbox import Fork, LiveCapture, Resume, SandboxActor, Snapshot, policy_of
+from aenv.node.snapshots import CorruptSnapshot, Snapshots, record_capture
 from aenv.node.warm import Warmer
 from aenv.proto import ids
 from aenv.proto import lifecycle as lc
@@ -73,6 +94,8 @@ LAYER_GC_MIN_AGE_S = 60.0
 WATCHER_RESTARTS = RestartPolicy(
     max_restarts=5, window_s=300.0, backoff_base_s=1.0, backoff_max_s=30.0, jitter=0.0
 )
+# how long the node's services get, together, to stop when the node does
+SERVICES_STOP_S = 10.0
 
 
 class SandboxNotFound(LookupError):
@@ -122,7 +145,8 @@ class Node:
         host: Host,
         templates: TemplateStore,
         images: Images,
-        nursery: trio.Nursery,
+        services: Supervisor,
+        sandboxes: Supervisor,
         api_key: str,
     ) -> None:
         self.config = config
@@ -141,13 +165,14 @@ class Node:
             max_cpu=os.cpu_count() or 1,
             max_memory_mb=_host_memory_mb(),
         )
-        self._nursery = nursery
-        # the node's long-lived tasks (the memory pressure watcher), once started
-        self.services: Supervisor | None = None
+        # the node's long-lived tasks and jobs, and its sandbox actors (module docstring)
+        self.services = services
+        self.sandboxes = sandboxes
+        self._jobs = itertools.count(1)  # numbers one-shot jobs' names
         self._sandboxes: dict[str, SandboxActor] = {}
         # sandboxes found dead at a restart: {id: what happened}, answered for a while
         self.lost: dict[str, str] = {}
-        self.builds = Builds(self, nursery)  # template builds (aenv.node.builds)
+        self.builds = Builds(self, services)  # template builds (aenv.node.builds)
         self.durable = Durable(  # object store uploads (aenv.node.durable)
             config=config,
             snapshots=self.snapshots,
@@ -155,10 +180,10 @@ class Node:
             layers=self.layers,
             templates=templates,
             images=images,
-            nursery=nursery,
+            services=services,
         )
-        self.warmer = Warmer(self.snapshots, self, nursery, enabled=config.warm_templates)
-        self.pool = Pool(self.snapshots, self, nursery, size=config.pool_size)
+        self.warmer = Warmer(self.snapshots, self, services, enabled=config.warm_templates)
+        self.pool = Pool(self.snapshots, self, services, size=config.pool_size)
         self._verified: set[str] = set()  # snapshots whose images were checked
         self.metrics = Registry()
         self.m_created = self.metrics.counter("aenv_sandboxes_created_total", "Sandboxes created")
@@ -546,10 +571,18 @@ class Node:
         return await self._launch(actor)
 
     async def _launch(self, actor: SandboxActor) -> SandboxActor:
-        """Register `actor` and start it in the node's nursery; returns once it is ready."""
+        """Register `actor` and start it under the `sandboxes` supervisor; returns
+        once it is ready (its failure before that is raised here)."""
         self._sandboxes[actor.sandbox_id] = actor
         try:
-            await self._nursery.start(self._supervise, actor)
+            await self.sandboxes.start(
+                actor.sandbox_id,
+                functools.partial(self._run_actor, actor),
+                policy=ONE_SHOT,
+                strategy=Strategy.FAIL,
+                give_up=Strategy.FAIL,
+                grace_s=0.0,  # a stop cancels it: its teardown runs in its `finally`
+            )
         except BaseException:
             self._sandboxes.pop(actor.sandbox_id, None)
             self.m_create_failed.inc()
@@ -557,94 +590,64 @@ class Node:
         self.m_created.inc()
         return actor
 
-    async def _supervise(
-        self, actor: SandboxActor, *, task_status: trio.TaskStatus[SandboxActor]
+    @staticmethod
+    async def _run_actor(
+        actor: SandboxActor, _stop: StopToken, *, task_status: trio.TaskStatus[SandboxActor]
     ) -> None:
-        try:
-            await actor.run(task_status=task_status)
-        except Exception:
-            # Before `started` the error reaches the creator through nursery.start;
-            # after it, it must never take the node down.
-            if not actor.was_started:
-                raise
-            log.exception("sandbox %s crashed", actor.sandbox_id)
+        # Before `started` an error reaches the creator; after it, the actor has
+        # recorded and torn down its sandbox, and the supervisor logs the error.
+        await actor.run(task_status=task_status)
 
-    def spawn_forks(
-        self, parent: SandboxActor, image: Path, stack: LayerStack, fork: Fork, req: Request[Any]
-    ) -> None:
-        """Start `fork.count` children of `parent`'s capture (`image` over `stack`)
-        in the background; `req` gets the results."""
-        self._nursery.start_soon(self._forks, parent, image, stack, fork, req)
+    def _reserve_id(self) -> str:
+        """A new sandbox's ID, if the node has room for one (`Busy` if not)."""
+        self._check_capacity()
+        return ids.new_sandbox_id(self.config.effective_node_tag)
 
-    async def _forks(
-        self, parent: SandboxActor, image: Path, stack: LayerStack, fork: Fork, req: Request[Any]
-    ) -> None:
-        results: list[SandboxActor | Exception] = [
-            RuntimeError("fork not attempted") for _ in range(fork.count)
-        ]
+    async def fork(
+        self, parent: SandboxActor, count: int, timeout_s: int, *, wait_s: float
+    ) -> builtins.list[SandboxActor | Exception]:
+        """`count` children of running sandbox `parent`, one result per child:
+        the parent's actor captures it (held for that only, within `wait_s`),
+        then a supervised job starts the children from the capture."""
+        capture: LiveCapture = await parent.mailbox.ask(Fork(count), timeout=wait_s)
+        return await self.services.run(
+            f"fork {parent.sandbox_id} #{next(self._jobs)}",
+            lambda _stop: forks.start_children(
+                parent,
+                capture,
+                count=count,
+                timeout_s=timeout_s,
+                reserve=self._reserve_id,
+                launch=self._launch,
+            ),
+            grace_s=0.0,
+        )
 
-        async def one(i: int) -> None:
-            try:
-                self._check_capacity()
-                sandbox_id = ids.new_sandbox_id(self.config.effective_node_tag)
-                child = SandboxActor.fork_of(parent, sandbox_id, image, stack, fork.timeout_s)
-                results[i] = await self._launch(child)
-            except Exception as exc:
-                log.warning("fork %d of %s failed: %r", i, parent.sandbox_id, exc)
-                results[i] = exc
-
-        try:
-            async with trio.open_nursery() as n:
-                for i in range(fork.count):
-                    n.start_soon(one, i)
-            crash_point("fork.children-started")
-        finally:
-            # every child has restored from it (or failed): the image has done its work
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(shutil.rmtree, image, True)
-        req.reply(results)
-
-    def spawn_snapshot(
-        self,
-        source: SandboxActor,
-        image: Path | None,
-        stack: LayerStack,
-        msg: Snapshot,
-        req: Request[Any],
-    ) -> None:
-        """Record `source`'s fresh capture (`image` over `stack`) as a snapshot
-        in the background; `req` gets it."""
+    async def snapshot(
+        self, source: SandboxActor, name: str | None, *, memory: bool, wait_s: float
+    ) -> dict[str, Any]:
+        """A snapshot of running sandbox `source`, recorded (and its upload
+        started): its actor captures it (within `wait_s`), then a supervised job
+        records the capture."""
+        capture: LiveCapture = await source.mailbox.ask(Snapshot(memory), timeout=wait_s)
         doc: dict[str, Any] = {
-            "name": msg.name,
-            "names": [msg.name] if msg.name else [],
+            "name": name,
+            "names": [name] if name else [],
             "sourceSandboxID": source.sandbox_id,
             "templateID": source.template.template_id,
-            "layers": list(stack.ids()),
-            "memory": msg.memory,
+            "layers": list(capture.stack.ids()),
+            "memory": memory,
             "cpuCount": source.cpu_count,
             "memoryMB": source.memory_mb,
             "envdToken": source.envd_access_token,
         }
-        self._nursery.start_soon(self._snapshot, doc, image, req)
-
-    async def _snapshot(self, doc: dict[str, Any], image: Path | None, req: Request[Any]) -> None:
-        recorded: dict[str, Any] | Exception
-        try:
-            recorded = await self.snapshots.record(doc=doc, image=image)
-            crash_point("snapshot.recorded")
-            self.durable.spawn(recorded)  # uploads in the background
-        except Exception as exc:
-            log.exception("recording a snapshot failed")
-            recorded = exc
-        finally:
-            if image is not None:  # the snapshot holds hard links to its files
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(shutil.rmtree, image, True)
-        # answered once the sandbox's copy is gone: nothing of it lingers after
-        if isinstance(recorded, Exception):
-            req.fail(recorded)
-        else:
-            req.reply(recorded)
+        return await self.services.run(
+            f"snapshot {source.sandbox_id} #{next(self._jobs)}",
+            lambda _stop: record_capture(
+                self.snapshots, doc, capture.image, then=self.durable.spawn
+            ),
+            grace_s=0.0,
+        )
 
     async def create_from_snapshot(
         self, doc: dict[str, Any], req: NewSandbox, *, template: Template | None = None
@@ -682,16 +685,21 @@ class Node:
             memory_mb=int(doc.get("memoryMB") or template.memory_mb),
         )
 
-    def start_background(self, afn: Callable[[], Awaitable[None]], what: str) -> None:
-        """Run `afn` in the node's nursery; its failure is logged, never raised."""
+    def start_background(self, afn: Callable[[], Awaitable[object]], what: str) -> None:
+        """Run `afn` as a one-shot job of the `services` supervisor; its failure is
+        logged, never raised; a node stop cancels it."""
 
-        async def run() -> None:
-            try:
-                await afn()
-            except Exception:
-                log.exception("%s failed", what)
+        async def run(_stop: StopToken) -> None:
+            await afn()
 
-        self._nursery.start_soon(run)
+        self.services.start_soon(
+            f"{what} #{next(self._jobs)}",
+            run,
+            policy=ONE_SHOT,
+            strategy=Strategy.FAIL,
+            give_up=Strategy.FAIL,
+            grace_s=0.0,
+        )
 
     async def park_node_served(self, *, within_s: float = 60.0) -> None:
         """Pause (to disk, with memory) the running sandboxes whose root this node
@@ -844,7 +852,6 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
                 await network.guard(every_s=config.network_check_s, on_lost=node.network_lost)
 
             network_metrics(node.metrics, network)
-            assert node.services is not None
             node.services.start_soon(
                 "network-guard", guard, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
             )
@@ -879,15 +886,24 @@ async def open_node_on(
 ) -> AsyncIterator[Node]:
     """A node whose sandboxes run on `host`: it takes back what the journal
     holds, resumes unfinished uploads and watches memory pressure (supervised);
-    leaving the block cancels every sandbox (each tears itself down)."""
+    leaving the block stops the services within `SERVICES_STOP_S`, then
+    cancels every sandbox (each tears itself down)."""
     templates = TemplateStore(config.templates_dir, image_root=config.run_dir / "images")
     async with trio.open_nursery() as nursery:
+        # cancelled at a stop unless a child asks for a grace period of its own
+        sandboxes: Supervisor = await nursery.start(
+            functools.partial(run_supervisor, "sandboxes", grace_s=0.0)
+        )
+        services: Supervisor = await nursery.start(
+            functools.partial(run_supervisor, "node", grace_s=0.0)
+        )
         node = Node(
             config=config,
             host=host,
             templates=templates,
             images=images,
-            nursery=nursery,
+            services=services,
+            sandboxes=sandboxes,
             api_key=api_key,
         )
         # snapshots and journaled sandboxes survive a restart: other layers are garbage
@@ -896,13 +912,20 @@ async def open_node_on(
         await node.durable.serve_lazy_layers()  # before anything mounts them
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
-        node.services = await nursery.start(run_supervisor, "node")
         if config.hibernate_memory_low_pct > 0:
-            node.services.start_soon(
-                "memory-pressure", node.watch_memory, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
+            services.start_soon(
+                "memory-pressure",
+                node.watch_memory,
+                policy=WATCHER_RESTARTS,
+                give_up=Strategy.FAIL,
+                grace_s=1.0,
             )
         try:
             yield node
+            with trio.move_on_after(SERVICES_STOP_S):
+                await services.aclose("the node is stopping")
+            await services.aclose("the node is stopping", grace_s=0.0)  # what is left
+            await sandboxes.aclose("the node is stopping")
         finally:
             nursery.cancel_scope.cancel()
 

@@ -9,16 +9,30 @@ create of that template with the template's default size takes one
 sandbox adopts the caller's request (ID stays, tokens, env, metadata,
 network policy and timeout become the caller's), then the pool refills in
 the background. Members of a template that goes cold are killed.
+
+Each template's filler is a child of the node's `services` supervisor:
+one that fails (a restore that does not work) is restarted with backoff
+(`FILLER_RESTARTS`), then given up on, logged, and not started again for
+that template for `GIVE_UP_FOR_S`; creates boot or restore meanwhile.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 
 import trio
 
+from aenv.kit.supervisor import (
+    ChildHandle,
+    ChildState,
+    RestartPolicy,
+    StopToken,
+    Strategy,
+    Supervisor,
+)
 from aenv.node.launcher import Launcher
 from aenv.node.sandbox import SandboxActor
 from aenv.node.snapshots import Snapshots, snapshot_name
@@ -29,18 +43,22 @@ log = logging.getLogger("aenv.pool")
 
 HOT_FOR_S = 600.0
 MEMBER_TIMEOUT_S = 24 * 3600
+# a filler that fails is restarted after about 5, 10 and 20 s; a fourth failure
+# within 10 minutes gives it up for GIVE_UP_FOR_S
+FILLER_RESTARTS = RestartPolicy(max_restarts=3, window_s=600.0, backoff_base_s=5.0)
+GIVE_UP_FOR_S = 600.0
 
 
 class Pool:
     def __init__(
-        self, snapshots: Snapshots, launcher: Launcher, nursery: trio.Nursery, *, size: int
+        self, snapshots: Snapshots, launcher: Launcher, services: Supervisor, *, size: int
     ) -> None:
         self._snapshots = snapshots
         self._launcher = launcher
         self.size = max(0, size)
-        self._nursery = nursery
+        self._services = services
         self._ready: dict[str, collections.deque[SandboxActor]] = {}
-        self._filling: set[str] = set()
+        self._fillers: dict[str, ChildHandle[None]] = {}  # the latest of each template
         # when each template was last asked for (the last two times)
         self._used_at: dict[str, collections.deque[float]] = {}
         self._wake: dict[str, trio.Event] = {}
@@ -77,9 +95,20 @@ class Pool:
 
     def _refill(self, template: Template) -> None:
         key = snapshot_name(template)
-        if key not in self._filling:
-            self._filling.add(key)
-            self._nursery.start_soon(self._fill, template)
+        filler = self._fillers.get(key)
+        if filler is not None:
+            if not filler.done:
+                return  # filling (or backing off)
+            gave_up_at = filler.ended_at if filler.state is ChildState.FAILED else None
+            if gave_up_at is not None and trio.current_time() - gave_up_at < GIVE_UP_FOR_S:
+                return
+        self._fillers[key] = self._services.start_soon(
+            f"pool {key}",
+            functools.partial(self._fill, template),
+            policy=FILLER_RESTARTS,
+            give_up=Strategy.FAIL,
+            grace_s=0.0,
+        )
 
     def _hot(self, key: str) -> bool:
         """Asked for twice within HOT_FOR_S: one-off templates get no pool."""
@@ -88,8 +117,9 @@ class Pool:
             return False
         return time.monotonic() - uses[0] < HOT_FOR_S
 
-    async def _fill(self, template: Template) -> None:
-        """Keep the template's queue full while it is hot; empty it once it is cold."""
+    async def _fill(self, template: Template, _stop: StopToken) -> None:
+        """Keep the template's queue full while it is hot; empty it once it is cold.
+        A failure is raised to the supervisor (which restarts the filler)."""
         key = snapshot_name(template)
         queue = self._ready.setdefault(key, collections.deque())
         try:
@@ -101,15 +131,16 @@ class Pool:
                     actor = await self._launcher.restore_hidden(
                         doc, template, timeout_s=MEMBER_TIMEOUT_S, pooled=True
                     )
-                    await actor.freeze_pooled()
+                    try:
+                        await actor.freeze_pooled()
+                    except BaseException:
+                        await actor.stop()
+                        raise
                     queue.append(actor)
                 wake = self._wake[key] = trio.Event()
                 with trio.move_on_after(HOT_FOR_S):
                     await wake.wait()  # a take, or time to check whether it went cold
-        except Exception as exc:
-            log.warning("filling the pool of %s failed: %r", template.template_id, exc)
         finally:
-            self._filling.discard(key)
             if not self._hot(key):
                 while queue:
                     await queue.popleft().stop()

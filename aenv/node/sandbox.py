@@ -140,18 +140,30 @@ class Resume:
 
 @dataclass(frozen=True)
 class Fork:
-    """Answers one `SandboxActor | Exception` per child, in order."""
+    """Capture the running sandbox for `count` children: answers a `LiveCapture`
+    with a memory image (the children are started by the asker, `aenv.node.forks`)."""
 
     count: int
-    timeout_s: int
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Answers the snapshot's record (a dict) once it is stored."""
+    """Capture the running sandbox for a snapshot: answers a `LiveCapture`, with
+    a memory image if `memory` (the asker records it, `aenv.node.snapshots`)."""
 
-    name: str | None
     memory: bool = True
+
+
+@dataclass(frozen=True)
+class LiveCapture:
+    """A running sandbox's capture, the answer to `Fork` and `Snapshot`: its
+    memory image (None: files only) over the layer stack its files were
+    captured into. It is sent while the sandbox is still held, so the asker's
+    work (restoring children) overlaps letting it go. The image lies in the
+    sandbox's directory and is the asker's to remove once used."""
+
+    image: Path | None
+    stack: LayerStack
 
 
 @dataclass(frozen=True)
@@ -215,19 +227,6 @@ class SandboxHost(Protocol):
         ...
 
     async def collect_layers(self) -> None: ...
-
-    def spawn_forks(
-        self, parent: SandboxActor, image: Path, stack: LayerStack, fork: Fork, req: Request[Any]
-    ) -> None: ...
-
-    def spawn_snapshot(
-        self,
-        source: SandboxActor,
-        image: Path | None,
-        stack: LayerStack,
-        msg: Snapshot,
-        req: Request[Any],
-    ) -> None: ...
 
 
 class SandboxActor:
@@ -712,24 +711,21 @@ class SandboxActor:
         storage copies what its upper changed since the previous capture into
         a new layer; then it runs on, with its ID, network, processes and
         expiry (the node's connections into it are closed before the image is
-        taken). The children (or the snapshot) get that image over that layer.
+        taken). The asker gets that image over that layer (`LiveCapture`) while
+        it is still held, and starts the children (or records the snapshot).
         """
         assert self._running is not None and self._upper is not None
         memory = isinstance(msg, Fork) or msg.memory
         t0 = time.perf_counter()
         image: Path | None = None
-        spawned = False
+        replied = False
 
-        def spawn(captured: Captured) -> None:
-            nonlocal spawned
+        def reply(captured: Captured) -> None:
+            nonlocal replied
             self._live = captured
-            # the children start restoring while the source is let go
-            if isinstance(msg, Fork):
-                assert image is not None
-                self.node.spawn_forks(self, image, captured.stack, msg, req)
-            else:
-                self.node.spawn_snapshot(self, image, captured.stack, msg, req)
-            spawned = True
+            # the asker's children start restoring while the source is let go
+            req.reply(LiveCapture(image, captured.stack))
+            replied = True
 
         try:
             if memory:
@@ -744,11 +740,11 @@ class SandboxActor:
                 since=self._live,
                 image=image,
                 fault="fork.captured" if isinstance(msg, Fork) else "snapshot.captured",
-                then=spawn,
+                then=reply,
             )
             held_ms = 1000 * (time.perf_counter() - held_at)
         except Exception as exc:
-            if spawned:  # captured, but the sandbox could not be let go
+            if replied:  # captured, but the sandbox could not be let go
                 raise
             self._log(f"capture failed, still running: {exc!r}", level="error")
             if image is not None:

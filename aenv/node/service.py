@@ -23,10 +23,10 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import trio
@@ -42,7 +42,6 @@ from aenv.kit import mailbox
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import (
     ExtendTimeout,
-    Fork,
     GetUsage,
     Pause,
     PauseError,
@@ -52,7 +51,6 @@ from aenv.node.sandbox import (
     SandboxNotRunning,
     SetNetwork,
     SetTimeout,
-    Snapshot,
 )
 from aenv.node.snapshots import CorruptSnapshot
 from aenv.proto import lifecycle as lc
@@ -67,6 +65,8 @@ from aenv.storage.overlay import OverlayError
 from aenv.storage.templates import TemplateNotFound
 
 log = logging.getLogger("aenv.service")
+
+T = TypeVar("T")
 
 # Lifecycle states (`aenv.proto.lifecycle.State` values) a caller can address.
 ADDRESSABLE = frozenset({"running", "pausing", "paused", "resuming"})
@@ -440,7 +440,8 @@ class LocalSandboxService:
     async def fork(
         self, sandbox_id: str, count: int, timeout_s: int
     ) -> tuple[SandboxInfo | ServiceError, ...]:
-        results = await _ask(self._actor(sandbox_id), Fork(count, timeout_s), CAPTURE_S)
+        actor = self._actor(sandbox_id)
+        results = await _answer(actor, self._node.fork(actor, count, timeout_s, wait_s=CAPTURE_S))
         out: list[SandboxInfo | ServiceError] = []
         for r in results:
             if isinstance(r, SandboxActor):
@@ -454,7 +455,10 @@ class LocalSandboxService:
     async def snapshot(
         self, sandbox_id: str, *, name: str | None, memory: bool, durable: bool = False
     ) -> SnapshotInfo:
-        doc = await _ask(self._actor(sandbox_id), Snapshot(name, memory), CAPTURE_S)
+        actor = self._actor(sandbox_id)
+        doc = await _answer(
+            actor, self._node.snapshot(actor, name, memory=memory, wait_s=CAPTURE_S)
+        )
         if durable:
             doc = await self._node.durable.wait_durable(doc["snapshotID"])
             if doc.get("storage") != "durable":
@@ -553,8 +557,14 @@ class LocalSandboxService:
 
 async def _ask(actor: SandboxActor, msg: Any, wait_s: float = ASK_S) -> Any:
     """Ask a sandbox's actor; its refusals become service errors."""
+    return await _answer(actor, actor.mailbox.ask(msg, timeout=wait_s))
+
+
+async def _answer(actor: SandboxActor, pending: Awaitable[T]) -> T:
+    """What a call that asks a sandbox's actor returns; the actor's refusals
+    become service errors."""
     try:
-        return await actor.mailbox.ask(msg, timeout=wait_s)
+        return await pending
     except mailbox.ActorGone:
         raise NotFound(f"sandbox {actor.sandbox_id!r} not found") from None
     except mailbox.Busy as e:

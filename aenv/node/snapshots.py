@@ -14,6 +14,10 @@ Each record carries `storage`: `local` (only on this node), `uploading`
 store). `storage_for` decides a new record's initial state and `on_delete`
 hears of deletions; both are set by the durable-storage actor
 (`aenv.node.durable`), which also `adopt`s snapshots restored from the store.
+
+`record_capture` is the workflow after a running sandbox's live capture
+(`aenv.node.sandbox.LiveCapture`): record it, hand it to the uploads, and
+remove the capture's image (the snapshot holds hard links to its files).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 import trio
 
+from aenv.kit.faults import crash_point
 from aenv.storage.metadata import Metadata
 from aenv.storage.templates import Template
 
@@ -221,3 +226,24 @@ class Snapshots:
 
     async def layer_ids(self) -> set[str]:
         return {lid for d in await self.list() for lid in d.get("layers", [])}
+
+
+async def record_capture(
+    snapshots: Snapshots,
+    doc: dict[str, Any],
+    image: Path | None,
+    *,
+    then: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Record a live capture (`image`, None for files only, with the layers `doc`
+    names) as snapshot `doc`, then `then(record)` (the node starts its upload);
+    returns the record. The capture's image is removed either way."""
+    try:
+        recorded = await snapshots.record(doc=doc, image=image)
+        crash_point("snapshot.recorded")
+        then(recorded)
+        return recorded
+    finally:
+        if image is not None:  # the snapshot holds hard links to its files
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(shutil.rmtree, image, True)

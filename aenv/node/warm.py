@@ -10,19 +10,29 @@ old snapshot is never used; deleting a template deletes its snapshots.
 
 Names starting with `~` cannot be given by callers (they are not valid
 names), so these snapshots never collide with a user's and are left out of
-the snapshot listings. A warm-up that fails is logged and retried after a
-while; sandboxes keep booting meanwhile.
+the snapshot listings. A warm-up is a job of the node's `services`
+supervisor: one that fails is restarted with backoff (`WARM_RESTARTS`),
+then given up on, logged, and tried again only `RETRY_AFTER_S` later;
+sandboxes keep booting meanwhile.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from aenv.node.sandbox import Snapshot
+from aenv.kit.supervisor import (
+    ChildHandle,
+    ChildState,
+    RestartPolicy,
+    StopToken,
+    Strategy,
+    Supervisor,
+)
 from aenv.node.snapshots import Snapshots, is_internal, snapshot_name
 from aenv.storage.templates import Template
 
@@ -35,6 +45,8 @@ log = logging.getLogger("aenv.warm")
 RETRY_AFTER_S = 300.0
 WARM_TIMEOUT_S = 600
 CAPTURE_TIMEOUT_S = 300.0
+# a failed warm-up is tried twice more, 10 and 20 s (less jitter) later
+WARM_RESTARTS = RestartPolicy(max_restarts=2, window_s=600.0, backoff_base_s=10.0)
 
 
 class Warmer:
@@ -42,16 +54,15 @@ class Warmer:
         self,
         snapshots: Snapshots,
         launcher: Launcher,
-        nursery: trio.Nursery,
+        services: Supervisor,
         *,
         enabled: bool = True,
     ) -> None:
         self._snapshots = snapshots
         self._launcher = launcher
         self.enabled = enabled
-        self._nursery = nursery
-        self._warming: set[str] = set()
-        self._failed_at: dict[str, float] = {}
+        self._services = services
+        self._jobs: dict[str, ChildHandle[None]] = {}  # the latest warm-up of each name
 
     async def snapshot(self, template: Template) -> dict[str, Any] | None:
         """The template's snapshot if there is one; else start making it, and None."""
@@ -64,29 +75,34 @@ class Warmer:
 
     def _start(self, template: Template) -> None:
         name = snapshot_name(template)
-        failed = self._failed_at.get(name)
-        if name in self._warming or (failed and time.monotonic() - failed < RETRY_AFTER_S):
-            return
-        self._warming.add(name)
-        self._nursery.start_soon(self._warm, template)
+        job = self._jobs.get(name)
+        if job is not None:
+            if not job.done:
+                return  # warming up (or backing off)
+            gave_up_at = job.ended_at if job.state is ChildState.FAILED else None
+            if gave_up_at is not None and trio.current_time() - gave_up_at < RETRY_AFTER_S:
+                return
+        self._jobs[name] = self._services.start_soon(
+            f"warm {name}",
+            functools.partial(self._warm, template),
+            policy=WARM_RESTARTS,
+            give_up=Strategy.FAIL,
+            grace_s=0.0,
+        )
 
-    async def _warm(self, template: Template) -> None:
+    async def _warm(self, template: Template, _stop: StopToken) -> None:
         name = snapshot_name(template)
         actor: SandboxActor | None = None
         started = time.monotonic()
         try:
             actor = await self._launcher.boot_hidden(template, timeout_s=WARM_TIMEOUT_S)
-            await actor.mailbox.ask(Snapshot(name, memory=True), timeout=CAPTURE_TIMEOUT_S)
+            await self._launcher.snapshot(actor, name, memory=True, wait_s=CAPTURE_TIMEOUT_S)
             log.info(
                 "template %s is now a snapshot (%.1fs); its sandboxes restore",
                 template.template_id,
                 time.monotonic() - started,
             )
-        except Exception as exc:
-            self._failed_at[name] = time.monotonic()
-            log.warning("making template %s a snapshot failed: %r", template.template_id, exc)
         finally:
-            self._warming.discard(name)
             if actor is not None:
                 await actor.stop()
 

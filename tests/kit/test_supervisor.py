@@ -21,7 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aenv.kit.supervisor import (
+    ChildHandle,
     ChildState,
+    ChildStopped,
     Restart,
     RestartPolicy,
     StopToken,
@@ -534,6 +536,67 @@ async def test_run_supervisor_under_nursery_start(autojump_clock: trio.testing.M
             sup.start_soon("flaky", failing(starts), policy=RestartPolicy(max_restarts=0))
     assert starts == [2]
     assert trio.current_time() == 2
+
+
+async def test_run_returns_the_jobs_result_or_raises_its_final_failure(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def answer(stop: StopToken) -> int:
+        await trio.sleep(1)
+        return 42
+
+    starts: list[float] = []
+    retried = RestartPolicy(max_restarts=2, window_s=100, backoff_base_s=1, jitter=0)
+    async with open_supervisor("node") as sup:
+        assert await sup.run("answer", answer) == 42
+        assert trio.current_time() == 1
+        assert sup.get("answer") is None  # ended
+        with pytest.raises(ValueError, match="failure 1"):
+            await sup.run("once", failing(starts))  # one-shot: no restart
+        assert starts == [1]
+        starts.clear()
+        with pytest.raises(ValueError, match="failure 3"):
+            await sup.run("retried", failing(starts), policy=retried)
+        assert starts == [1, 2, 4]  # restarted twice with backoff, then given up
+        sibling = sup.start_soon("sibling", lambda stop: stop.wait())
+        assert sibling.state is ChildState.RUNNING  # failures never escalate
+    assert sup.statistics().failed == 2
+
+
+async def test_a_run_outlives_its_callers_cancellation_and_stops_with_the_supervisor(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    finished: list[float] = []
+
+    async def job(stop: StopToken) -> str:
+        await trio.sleep(5)
+        finished.append(trio.current_time())
+        return "done"
+
+    async def endless(stop: StopToken) -> None:
+        await trio.sleep_forever()
+
+    async with open_supervisor("node", grace_s=2) as sup:
+        with trio.move_on_after(1):
+            await sup.run("job", job)
+        assert sup.get("job") is not None  # still running, the caller is gone
+        await trio.sleep(10)
+        assert finished == [5]
+        handle: list[ChildHandle[None]] = []
+
+        async def caller() -> None:
+            with pytest.raises(ChildStopped, match="node/endless was stopped"):
+                await sup.run("endless", endless)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()
+            child = sup.get("endless")
+            assert child is not None
+            handle.append(child)
+            await child.stop("shutting down")
+    assert handle[0].state is ChildState.STOPPED
+    assert handle[0].ended_at == 13  # cancelled at the end of its 2 s grace
 
 
 @given(

@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from aenv.node.node import Node
-from aenv.node.sandbox import Fork, PauseError, SandboxActor, Snapshot
+from aenv.node.sandbox import PauseError, SandboxActor
 from aenv.proto import lifecycle as lc
 from tests.fakes.host import FakeHost
 from tests.fakes.node import create, new
@@ -32,7 +32,7 @@ async def test_a_fork_starts_children_from_a_capture_and_the_parent_runs_on(
     deadline = parent.lifecycle.deadline
     fake.runtime.get(parent.sandbox_id).write("root/notes", "before the fork")
     t = trio.current_time()
-    children = await parent.mailbox.ask(Fork(2, 60))
+    children = await node.fork(parent, 2, 60, wait_s=60)
     assert trio.current_time() == t + T.checkpoint_s + T.restore_s
     assert all(isinstance(c, SandboxActor) for c in children)
     ops = [(c.op, c.at) for c in fake.runtime.calls if c.sandbox_id == parent.sandbox_id]
@@ -61,7 +61,7 @@ async def test_a_snapshot_seeds_new_sandboxes(
 ) -> None:
     source = await create(node, timeout_s=600)
     fake.runtime.get(source.sandbox_id).write("root/notes", "snapshotted")
-    doc = await source.mailbox.ask(Snapshot("mine"))
+    doc = await node.snapshot(source, "mine", memory=True, wait_s=60)
     assert doc["name"] == "mine" and doc["image"] is not None and doc["memory"]
     assert await node.find_snapshot("mine") == doc
     assert list(source.workdir.glob("image*")) == []  # handed over to the snapshot
@@ -78,7 +78,7 @@ async def test_a_failed_capture_leaves_the_sandbox_running_and_no_image(
     actor = await create(node, timeout_s=600)
     fake.runtime.faults.fail_next("checkpoint")
     with pytest.raises(PauseError, match="capturing the sandbox failed"):
-        await actor.mailbox.ask(Fork(1, 60))
+        await node.fork(actor, 1, 60, wait_s=60)
     assert actor.state is lc.State.RUNNING
     assert fake.runtime.get(actor.sandbox_id).state is Guest.RUNNING  # let go
     assert list(actor.workdir.glob("image*")) == []
