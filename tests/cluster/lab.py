@@ -394,8 +394,10 @@ class Lab:
         env: Mapping[str, str],
         node_env: Mapping[int, Mapping[str, str]],
         bare_homes: Collection[int] = (),
+        cluster: bool = True,
     ) -> None:
         self.root = root
+        self.cluster = cluster
         self.api_key = api_key
         self.cluster_secret = secrets.token_hex(16)
         self.store: Store = store
@@ -445,10 +447,15 @@ class Lab:
                 "AENV_EGRESS_CAP": f"{INTERNET_IP}/32",
                 "AENV_REGISTRY_TIMEOUT": "3",
                 "AENV_ON_STOP": "stop",
-                # the cluster's settings (read once the cluster exists; harmless before)
-                "AENV_CLUSTER_PEERS": ",".join(u for j, u in enumerate(urls) if j != i),
-                "AENV_CLUSTER_SECRET": self.cluster_secret,
-                "AENV_ADVERTISE_URL": urls[i],
+                **(
+                    {  # the nodes form one cluster
+                        "AENV_CLUSTER_PEERS": ",".join(u for j, u in enumerate(urls) if j != i),
+                        "AENV_CLUSTER_SECRET": self.cluster_secret,
+                        "AENV_ADVERTISE_URL": urls[i],
+                    }
+                    if self.cluster
+                    else {}
+                ),
                 **store_env,
                 **self._env,
                 **self._node_env.get(i, {}),
@@ -838,9 +845,11 @@ def open_lab(
     env: Mapping[str, str] | None = None,
     node_env: Mapping[int, Mapping[str, str]] | None = None,
     bare_homes: Collection[int] = (),
+    cluster: bool = True,
 ) -> Iterator[Lab]:
     """A running lab of `nodes` nodes sharing one store (`"s3"`: moto at
-    10.219.0.2; `"file"`: one shared directory); `env` goes to every node,
+    10.219.0.2; `"file"`: one shared directory), forming one cluster unless
+    `cluster` is false (independent nodes); `env` goes to every node,
     `node_env[i]` to node i (both over the lab's own settings). The homes of
     the nodes in `bare_homes` have the envd bundle but no templates; the
     others link the built test home's.
@@ -878,6 +887,7 @@ def open_lab(
             env=env or {},
             node_env=node_env or {},
             bare_homes=bare_homes,
+            cluster=cluster,
         )
         try:
             lab._setup()

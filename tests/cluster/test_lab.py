@@ -25,7 +25,12 @@ from e2b import Sandbox
 
 from tests.cluster.lab import GATEWAY_IP, INTERNET_IP, OFF_CAP_IP, Lab, LabNode, requires_lab
 
-pytestmark = [requires_lab, pytest.mark.runsc, pytest.mark.lab(nodes=3, store="s3")]
+# independent nodes: these tests are about the lab itself (each node, its faults)
+pytestmark = [
+    requires_lab,
+    pytest.mark.runsc,
+    pytest.mark.lab(nodes=3, store="s3", cluster=False),
+]
 
 
 class _Whoami(socketserver.BaseRequestHandler):
