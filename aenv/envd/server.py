@@ -7,7 +7,9 @@ serving loop ever fail, it is restarted without touching the services, so
 user processes outlive a server fault. `guard_hypercorn_h2` works around a
 Hypercorn 0.18 bug where an HTTP/2 DATA frame for a stream already answered
 (a response sent before the request body was read) raised KeyError and took
-the whole server down.
+the whole server down. `guard_hypercorn_idle_close` works around another:
+a connection its client closed while idle stayed open on envd's side until
+the keep-alive timeout, which a memory image must never catch (see there).
 """
 
 from __future__ import annotations
@@ -57,6 +59,35 @@ def guard_hypercorn_h2() -> None:
     H2Protocol._handle_events = _handle_events  # type: ignore[method-assign]
 
 
+def guard_hypercorn_idle_close() -> None:
+    """Close a connection as soon as its client closes it, also when it was idle.
+
+    Hypercorn 0.18's trio TCPServer closes its socket only once every task
+    of the connection has ended, the keep-alive timer included: a client
+    that closes an idle keep-alive connection left envd's socket half-open
+    (CLOSE_WAIT) for `keep_alive_timeout` (75 s). The node closes its
+    connections before it checkpoints a sandbox and waits for envd to close
+    its side; a socket envd still holds when runsc (20240729,
+    --net-disconnect-ok) takes the image is reset inside the save, which
+    leaves envd's epoll instance unable to report anything once the image
+    is restored: a fork child or a sandbox resumed from disk whose envd
+    accepts TCP handshakes but never reads a request.
+    """
+    from hypercorn.trio.tcp_server import TCPServer
+
+    original = TCPServer._read_data
+    if getattr(original, "_aenv_guarded", False):
+        return
+
+    async def _read_data(self: TCPServer) -> None:
+        await original(self)
+        # the client is gone: nothing is left for the keep-alive timer to time
+        await self.idle_task.stop()
+
+    _read_data._aenv_guarded = True  # type: ignore[attr-defined]
+    TCPServer._read_data = _read_data  # type: ignore[method-assign]
+
+
 def hypercorn_config(host: str, port: int, *, access_log: bool = False) -> Config:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -88,6 +119,7 @@ async def serve_envd(
 ) -> None:
     """Serve envd until cancelled (or a signal, when `handle_signals`)."""
     guard_hypercorn_h2()
+    guard_hypercorn_idle_close()
     async with trio.open_nursery() as services:
         app = EnvdApp(services, state=state)
         config = hypercorn_config(host, port, access_log=access_log)

@@ -766,10 +766,12 @@ class SandboxActor:
     async def _close_connections(self, *, reopen: bool, wait: bool = True) -> None:
         """Close the node's connections into the sandbox before a memory image is taken.
 
-        A restored image must hold no connection to the node (envd does not
-        survive restoring them): returns once envd has closed its side of
-        each (the host's TCP table shows it), or after a bound. With `reopen`
-        (the sandbox runs on), later requests get a new client.
+        An image must hold no connection the sandbox has not closed its side
+        of (a restored envd whose socket runsc reset while saving the image
+        never answers again; see aenv.kit.tcpstate): returns once envd has
+        closed its side of each (the host's TCP table shows it), or after a
+        bound. With `reopen` (the sandbox runs on), later requests get a new
+        client.
         """
         if self.http is None:
             return

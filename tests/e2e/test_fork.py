@@ -3,6 +3,8 @@
 Rules: loopback only; the session `node`; each test kills the source and every
 child it made. Children must keep the source's running processes (a counter
 loop) and files, and a write in one is invisible to the others and the source.
+A fork works whatever the source did before (tests.e2e.sequences: stdin
+closed, a PTY session, killed or still running background commands).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from e2b import Sandbox
 
 from tests.conftest import NodeProc, requires_node
 from tests.e2e.counter import COUNTER, counts_on
+from tests.e2e.sequences import KEPT, SEQUENCES, answers
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -72,4 +75,59 @@ def test_fork_count_is_bounded(node: NodeProc) -> None:
         r = httpx.post(f"{node.url}/sandboxes/{src.sandbox_id}/fork", json={"count": 1}, headers=h)
         assert r.status_code == 409
     finally:
+        src.kill()
+
+
+def _fork(src: Sandbox, count: int = 2) -> list[Sandbox]:
+    results = src.fork(count=count, timeout=120)
+    children = [r for r in results if isinstance(r, Sandbox)]
+    if len(children) != count:
+        for c in children:
+            Sandbox.kill(c.sandbox_id)
+        raise AssertionError(results)
+    return children
+
+
+@pytest.mark.parametrize("sequence", list(SEQUENCES))
+def test_fork_after_what_the_source_did(node: NodeProc, sequence: str) -> None:
+    """Every child answers at once, and so does the source (envd's idle connections
+    from the SDK's calls are closed on both sides before the image is taken)."""
+    src = Sandbox.create("base", timeout=300)
+    children: list[Sandbox] = []
+    try:
+        SEQUENCES[sequence](src)
+        src.files.write("/home/user/kept.txt", KEPT)
+        children = _fork(src)
+        for c in children:
+            answers(c)
+        answers(src)
+    finally:
+        for c in children:
+            Sandbox.kill(c.sandbox_id)
+        src.kill()
+
+
+def test_fork_with_a_background_command_running(node: NodeProc) -> None:
+    """Each child and the source have their own copy of it, and each kills its own."""
+    src = Sandbox.create("base", timeout=300)
+    children: list[Sandbox] = []
+    try:
+        pid = src.commands.run("sleep 1000", background=True, stdin=True).pid
+        src.files.write("/home/user/kept.txt", KEPT)
+        children = _fork(src)
+        for c in [*children, src]:
+            answers(c)
+            assert pid in {p.pid for p in c.commands.list()}
+        assert children[0].commands.kill(pid)
+        deadline = time.monotonic() + 10
+        while pid in {p.pid for p in children[0].commands.list()}:
+            assert time.monotonic() < deadline, "the killed command still runs"
+            time.sleep(0.1)
+        # the others still have theirs
+        for c in [children[1], src]:
+            assert pid in {p.pid for p in c.commands.list()}
+            assert c.commands.kill(pid)
+    finally:
+        for c in children:
+            Sandbox.kill(c.sandbox_id)
         src.kill()

@@ -2,7 +2,11 @@
 
 Rules: loopback only; the session `node`; each test kills what it creates. A
 "counter" is a shell loop writing an increasing number to /tmp/counter every
-0.1 s: after a full resume it goes on from where it stopped.
+0.1 s: after a full resume it goes on from where it stopped. Resuming from
+disk (hibernation, a copy written behind) is tested on a node of its own
+(tests.e2e.test_restart's `node_home`) that writes paused sandboxes to disk
+within seconds, after what the user did before the pause
+(tests.e2e.sequences).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 
 from tests.conftest import NodeProc, requires_node
 from tests.e2e.counter import COUNTER, count, counts_on
+from tests.e2e.sequences import KEPT, SEQUENCES, answers
+from tests.e2e.test_restart import Restartable, node_home  # noqa: F401 (fixture)
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -164,3 +170,40 @@ def test_traffic_to_a_timeout_paused_sandbox_resumes_it_with_a_new_timeout(
         assert httpx.get(f"{node.url}/hostname", headers=route, timeout=30).status_code == 200
     finally:
         Sandbox.kill(s.sandbox_id)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        # thawed after a second, then checkpointed to disk
+        {"AENV_HIBERNATE_AFTER": "1"},
+        # a copy checkpointed while it stays frozen, taken as it is by the hibernation
+        {"AENV_WRITE_BEHIND_AFTER": "1", "AENV_HIBERNATE_AFTER": "4"},
+    ],
+    ids=["hibernated", "written-behind"],
+)
+def test_resume_from_disk_after_what_the_user_did(
+    node_home: Restartable,  # noqa: F811 (the fixture imported above)
+    how: dict[str, str],
+) -> None:
+    r = node_home
+    r.env.update(how)
+    r.start()
+    s = Sandbox.create("base", timeout=300)
+    sid = s.sandbox_id
+    for sequence in SEQUENCES.values():
+        sequence(s)
+    running = s.commands.run("sleep 1000", background=True, stdin=True)
+    s.files.write("/home/user/kept.txt", KEPT)
+    s.pause()
+    deadline = time.monotonic() + 30
+    while True:
+        d = r.get(f"/sandboxes/{sid}").json()
+        if d["state"] == "paused" and not d["pausedInMemory"]:
+            break
+        assert time.monotonic() < deadline, f"not written to disk: {d}"
+        time.sleep(0.2)
+    again = Sandbox.connect(sid)
+    answers(again)
+    assert running.pid in {p.pid for p in again.commands.list()}
+    assert again.commands.kill(running.pid)

@@ -19,9 +19,9 @@ TABLE = """\
 
 
 def test_counts_only_connections_to_the_address_the_peer_has_not_closed() -> None:
-    # 172.17.0.2: one established, one whose FIN the peer acknowledged
-    # (FIN_WAIT2), one in TIME_WAIT
-    assert open_to(TABLE, "172.17.0.2") == 1
+    # 172.17.0.2: one established, one whose FIN the peer acknowledged but
+    # whose own side it still holds (FIN_WAIT2), one closed on both sides (TIME_WAIT)
+    assert open_to(TABLE, "172.17.0.2") == 2
     assert open_to(TABLE, "172.17.0.3") == 1
     assert open_to(TABLE, "172.17.0.9") == 0
     assert open_to(TABLE, "127.0.0.1") == 0  # a listener is nobody's peer
@@ -37,7 +37,9 @@ async def test_waits_for_a_real_peer_to_close() -> None:
     server, _ = await listener.accept()
     assert not await wait_closed("127.0.0.2", within_s=0.2)  # both sides open
     client.shutdown(socket.SHUT_WR)  # the peer's kernel acknowledges the FIN at once
-    assert await wait_closed("127.0.0.2", within_s=5)
+    # ... but the peer still holds its socket: a checkpoint would catch it open
+    assert not await wait_closed("127.0.0.2", within_s=0.2)
     server.close()
+    assert await wait_closed("127.0.0.2", within_s=5)
     client.close()
     listener.close()
