@@ -88,13 +88,20 @@ def serve(
     """Run a node in the foreground."""
     from aenv.api.server import serve as run_serve
     from aenv.config import Config
+    from aenv.kit.tls import TLSSetupError
     from aenv.runtimes.hostclaim import HostConflict
 
     setup_logging(log_level, json_logs or not sys.stderr.isatty())
-    config = Config.from_env(listen=listen, home=home)
+    try:
+        config = Config.from_env(listen=listen, home=home)
+    except ValueError as exc:  # a setting that cannot work: which, and why
+        logging.getLogger("aenv.server").error("%s", exc)
+        raise SystemExit(2) from None
     try:
         trio.run(run_serve, config)
-    except HostConflict as exc:  # another node holds what this one needs: say what, no trace
+    # settings that cannot work, or another node holding what this one needs:
+    # say what, no trace (exit 2: a restart would not change it)
+    except (HostConflict, TLSSetupError) as exc:
         logging.getLogger("aenv.server").error("%s", exc)
         raise SystemExit(2) from None
 

@@ -28,6 +28,13 @@ class Config:
     api_key: str | None = None
     # Domain the SDK uses for host routing: `{port}-{sandboxID}.{domain}`.
     domain: str | None = None
+    # The node serves TLS with this PEM certificate chain and key (AENV_TLS_CERT,
+    # AENV_TLS_KEY; both or neither). Reloaded on SIGHUP.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # CA bundle other nodes' certificates chain to (AENV_TLS_CA); None: the
+    # system's store. Read at start.
+    tls_ca: Path | None = None
     runtime: str = "gvisor"
     runsc_platform: str = "ptrace"
     # Compression of memory images (AENV_CHECKPOINT_COMPRESSION): "none" is
@@ -181,7 +188,12 @@ class Config:
         host, _, port = self.listen.rpartition(":")
         if host in ("", "0.0.0.0", "::", "[::]"):
             host = socket.gethostname()
-        return f"http://{host}:{port}"
+        return f"{self.scheme}://{host}:{port}"
+
+    @property
+    def scheme(self) -> str:
+        """The API's scheme: https when the node serves TLS."""
+        return "https" if self.tls_cert is not None else "http"
 
     @property
     def effective_store_url(self) -> str | None:
@@ -206,6 +218,13 @@ class Config:
             kw["api_key"] = env["AENV_API_KEY"]
         if "AENV_DOMAIN" in env:
             kw["domain"] = env["AENV_DOMAIN"]
+        for name, attr in (
+            ("AENV_TLS_CERT", "tls_cert"),
+            ("AENV_TLS_KEY", "tls_key"),
+            ("AENV_TLS_CA", "tls_ca"),
+        ):
+            if env.get(name, "").strip():
+                kw[attr] = Path(env[name].strip())
         if "AENV_RUNSC_PLATFORM" in env:
             kw["runsc_platform"] = env["AENV_RUNSC_PLATFORM"]
         if env.get("AENV_CHECKPOINT_COMPRESSION"):
@@ -282,8 +301,22 @@ class Config:
             kw["registry_auth_file"] = Path(env["AENV_REGISTRY_AUTH_FILE"])
         kw.update({k: v for k, v in overrides.items() if v is not None})
         config = cls(**kw)  # type: ignore[arg-type]
+        config.check_tls()
         config.check_cluster()
         return config
+
+    def check_tls(self) -> None:
+        """Refuse half a TLS setting (the files themselves are read at start)."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("AENV_TLS_CERT", "AENV_TLS_KEY")
+                if self.tls_cert is not None
+                else ("AENV_TLS_KEY", "AENV_TLS_CERT")
+            )
+            raise ValueError(
+                f"{given} is set but {missing} is not: TLS needs both the certificate "
+                "chain and its private key (PEM files), or neither"
+            )
 
     def check_cluster(self) -> None:
         """Refuse cluster settings that cannot work, saying what to change."""

@@ -17,6 +17,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -104,8 +105,15 @@ class NodeProc:
 
 
 def start_node(
-    home: Path, *, api_key: str, log_path: Path, extra_env: dict[str, str] | None = None
+    home: Path,
+    *,
+    api_key: str,
+    log_path: Path,
+    extra_env: dict[str, str] | None = None,
+    tls_ca: Path | None = None,
 ) -> NodeProc:
+    """Start `aenv serve` and wait for /health; with `tls_ca` the node serves TLS
+    (its AENV_TLS_* in `extra_env`) and is checked against that CA."""
     port = free_port()
     env = dict(os.environ)
     env.update(
@@ -135,7 +143,10 @@ def start_node(
         stdin=subprocess.DEVNULL,
     )
     logf.close()
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{port}"
+    verify: ssl.SSLContext | bool = True
+    if tls_ca is not None:
+        verify = ssl.create_default_context(cafile=str(tls_ca))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -143,7 +154,7 @@ def start_node(
                 f"node exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
             )
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1, verify=verify).status_code == 200:
                 return NodeProc(url, api_key, home, proc, log_path)
         except httpx.TransportError:
             pass

@@ -1,7 +1,8 @@
 """Run a node: open it, wrap the REST app in the proxy, serve with Hypercorn.
 
 Hypercorn serves HTTP/1.1, h2c (prior knowledge and upgrade) and WebSocket on
-one port. Shutdown (SIGINT/SIGTERM or the caller's cancel) stops accepting,
+one port; with `AENV_TLS_CERT` and `AENV_TLS_KEY` it serves them over TLS
+instead (h2 chosen by ALPN), and SIGHUP loads the certificate again. Shutdown (SIGINT/SIGTERM or the caller's cancel) stops accepting,
 drains in-flight requests with a grace period, then stops the node, which
 tears down every sandbox.
 """
@@ -12,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import ssl
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, cast
@@ -25,14 +27,29 @@ from aenv.api.proxy import ASGIApp, SandboxProxy
 from aenv.cluster.member import ClusterMember, open_cluster_member
 from aenv.cluster.router import ClusterRouter
 from aenv.config import Config
+from aenv.kit.tls import ServerTLS, client_context
 from aenv.node.node import Node, open_node
 from aenv.node.service import LocalSandboxService, SandboxService
 
 log = logging.getLogger("aenv.server")
 
 
-def hypercorn_config(listen: str) -> HyperConfig:
-    hc = HyperConfig()
+class _HyperConfig(HyperConfig):
+    """Hypercorn's settings, serving TLS from this node's reloadable context."""
+
+    tls: ServerTLS | None = None
+
+    def create_ssl_context(self) -> ssl.SSLContext | None:
+        return None if self.tls is None else self.tls.context
+
+    @property
+    def ssl_enabled(self) -> bool:
+        return self.tls is not None
+
+
+def hypercorn_config(listen: str, tls: ServerTLS | None = None) -> HyperConfig:
+    hc = _HyperConfig()
+    hc.tls = tls
     hc.bind = [listen]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -43,7 +60,9 @@ def hypercorn_config(listen: str) -> HyperConfig:
     return hc
 
 
-def build_asgi(node: Node, member: ClusterMember | None = None) -> ASGIApp:
+def build_asgi(
+    node: Node, member: ClusterMember | None = None, *, peer_ssl: ssl.SSLContext | None = None
+) -> ASGIApp:
     """The REST app behind the sandbox proxy (which sees every request first);
     in a cluster, both behind the router (which sends each request where it
     belongs)."""
@@ -58,16 +77,20 @@ def build_asgi(node: Node, member: ClusterMember | None = None) -> ASGIApp:
         member.cluster,
         http=member.http,
         domain=node.config.domain,
+        ssl_context=peer_ssl,
         counter=lambda kind: node.m_forwarded.inc(kind=kind),
     )
 
 
 @contextlib.asynccontextmanager
-async def _cluster_of(config: Config, node: Node) -> AsyncIterator[ClusterMember | None]:
+async def _cluster_of(
+    config: Config, node: Node, tls: ServerTLS | None, peer_ssl: ssl.SSLContext
+) -> AsyncIterator[ClusterMember | None]:
     if not config.clustered:
         yield None
         return
-    async with open_cluster_member(config, node) as member:
+    serve_ssl = None if tls is None else tls.context
+    async with open_cluster_member(config, node, peer_ssl=peer_ssl, serve_ssl=serve_ssl) as member:
         yield member
 
 
@@ -88,31 +111,44 @@ async def serve(
 
     The signal receiver stays installed until every sandbox is torn down, so a
     second signal during shutdown is logged, never fatal half-way through.
+    SIGHUP reloads the TLS certificate.
+
+    TLS files are read before anything else: one that cannot be used raises
+    `TLSSetupError` before the node touches a sandbox.
     """
     shutdown = trio.Event()
+    tls = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        tls = ServerTLS.load(config.tls_cert, config.tls_key)
+    peer_ssl = client_context(config.tls_ca)
     receiver = (
-        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         if handle_signals
         else contextlib.nullcontext(None)
     )
     with receiver as signals:
         async with (
             open_node(config) as node,
-            _cluster_of(config, node) as member,
+            _cluster_of(config, node, tls, peer_ssl) as member,
             trio.open_nursery() as outer,
         ):
             if signals is not None:
-                outer.start_soon(_watch_signals, signals, shutdown)
+                outer.start_soon(_watch_signals, signals, shutdown, tls)
             async with trio.open_nursery() as inner:
                 await inner.start(
                     partial(
                         hyper_serve,
-                        cast(Any, build_asgi(node, member)),
-                        hypercorn_config(config.listen),
+                        cast(Any, build_asgi(node, member, peer_ssl=peer_ssl)),
+                        hypercorn_config(config.listen, tls),
                         shutdown_trigger=shutdown.wait,
                     )
                 )
-                log.info("aenv node listening on http://%s (home %s)", config.listen, config.home)
+                log.info(
+                    "aenv node listening on %s://%s (home %s)",
+                    config.scheme,
+                    config.listen,
+                    config.home,
+                )
                 task_status.started(node)
             # Hypercorn has drained its connections; stop the rest
             keep = config.on_stop == "keep" and shutdown.is_set()
@@ -132,9 +168,16 @@ async def serve(
     log.info("aenv node stopped")
 
 
-async def _watch_signals(signals: AsyncIterator[int], shutdown: trio.Event) -> None:
+async def _watch_signals(
+    signals: AsyncIterator[int], shutdown: trio.Event, tls: ServerTLS | None
+) -> None:
     async for sig in signals:
-        if shutdown.is_set():
+        if sig == signal.SIGHUP:
+            if tls is None:
+                log.info("received SIGHUP; no TLS certificate to reload (AENV_TLS_CERT unset)")
+            else:
+                await tls.reload()
+        elif shutdown.is_set():
             log.warning("received %s again; already shutting down", signal.Signals(sig).name)
         else:
             log.info("received %s, shutting down", signal.Signals(sig).name)

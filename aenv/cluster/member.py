@@ -7,11 +7,16 @@ configured peers), the cluster view and the cluster's `SandboxService`, and
 yields them as a `ClusterMember` for the server to put in front of the node.
 Leaving the block leaves the cluster (gossiped, so peers stop routing here at
 once rather than after a failure detection) and closes the links.
+
+Calls to peers at `https://` URLs (the API client, the links' `wss://`)
+verify the peer's certificate with `peer_ssl`; the links' own port serves
+TLS with `serve_ssl` when the node does.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -111,20 +116,30 @@ async def _own(
 
 
 @asynccontextmanager
-async def open_cluster_member(config: Config, node: Node) -> AsyncIterator[ClusterMember]:
+async def open_cluster_member(
+    config: Config,
+    node: Node,
+    *,
+    peer_ssl: ssl.SSLContext | None = None,
+    serve_ssl: ssl.SSLContext | None = None,
+) -> AsyncIterator[ClusterMember]:
     assert config.cluster_secret, "open_cluster_member needs a cluster secret"
+    if peer_ssl is None:
+        peer_ssl = ssl.create_default_context()
     key = ClusterKey.from_secret(config.cluster_secret)
     node_id = config.effective_node_id
     url = config.effective_advertise_url
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with (
-        httpx.AsyncClient(limits=limits, timeout=30.0) as http,
+        httpx.AsyncClient(limits=limits, timeout=30.0, verify=peer_ssl) as http,
         trio.open_nursery() as nursery,
     ):
-        transport = Transport(key, node_id, url, nursery)
+        transport = Transport(key, node_id, url, nursery, peer_ssl=peer_ssl)
         if config.cluster_listen:
             host, _, port = config.cluster_listen.rpartition(":")
-            await nursery.start(transport.serve, host or "0.0.0.0", int(port))
+            await nursery.start(
+                partial(transport.serve, host or "0.0.0.0", int(port), ssl_context=serve_ssl)
+            )
         holder: list[Cluster] = []
         membership = Membership(
             transport,

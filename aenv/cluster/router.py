@@ -18,6 +18,7 @@ and sorts every request with `aenv.proto.clusterroute.classify`:
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -89,9 +90,11 @@ class ClusterRouter:
         *,
         http: httpx.AsyncClient,
         domain: str | None,
+        ssl_context: ssl.SSLContext | None = None,
         counter: Callable[[str], None] = lambda kind: None,
     ) -> None:
         self.app = app
+        self.ssl_context = ssl_context  # verifies peers at https:// URLs
         self.cluster = cluster
         self.http = http
         self.domain = domain
@@ -163,12 +166,14 @@ class ClusterRouter:
                     ("e2b-sandbox-port", str(target.port)),
                 ]
             u = urlsplit(peer.url)
+            tls = u.scheme == "https"
             await forward_websocket(
                 scope,
                 receive,
                 send,
                 host=u.hostname or "",
-                port=u.port or 80,
+                port=u.port or (443 if tls else 80),
+                ssl_context=(self.ssl_context or ssl.create_default_context()) if tls else None,
                 headers=ws_headers,
                 what=f"node {peer.id}",
             )

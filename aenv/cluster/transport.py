@@ -13,6 +13,9 @@ Accepting is `Transport.accept(socket)`, called with each incoming WebSocket
 only reads: replies travel on the replier's own outbound link, so each pair
 of nodes talking both ways holds two connections.
 
+A peer at an `https://` URL is dialled over `wss://` and its certificate
+verified with the `peer_ssl` context given (the system's store if none).
+
 Received messages, with the authenticated peer's id and URL, come out of
 `Transport.inbox` (bounded; a full inbox drops, logged once in a while).
 Readers drain their sockets continuously so a slow consumer never looks
@@ -89,8 +92,11 @@ class Transport:
         node_id: str,
         url: str,
         nursery: trio.Nursery,
+        *,
+        peer_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.key = key
+        self.peer_ssl = peer_ssl
         self.node_id = node_id
         self.url = url
         self._nursery = nursery
@@ -140,7 +146,7 @@ class Transport:
         async with queue:
             while True:
                 try:
-                    async with _open(url) as ws:
+                    async with _open(url, self.peer_ssl) as ws:
                         with trio.fail_after(HANDSHAKE_S):
                             session = await self._client_handshake(ws)
                         if failing:
@@ -215,9 +221,11 @@ class Transport:
         host: str,
         port: int,
         *,
+        ssl_context: ssl.SSLContext | None = None,
         task_status: trio.TaskStatus[trio_websocket.WebSocketServer] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept links on a port of their own (`AENV_CLUSTER_LISTEN`) until cancelled."""
+        """Accept links on a port of their own (`AENV_CLUSTER_LISTEN`) until cancelled,
+        over TLS with `ssl_context`."""
 
         async def handler(request: trio_websocket.WebSocketRequest) -> None:
             if request.path != LINK_PATH:
@@ -232,7 +240,7 @@ class Transport:
             handler,
             host,
             port,
-            ssl_context=None,
+            ssl_context=ssl_context,
             max_message_size=MAX_FRAME + 64,
             task_status=task_status,
         )
@@ -243,9 +251,13 @@ class Transport:
             self.forget(url)
 
 
-def _open(url: str) -> AbstractAsyncContextManager[trio_websocket.WebSocketConnection]:
+def _open(
+    url: str, peer_ssl: ssl.SSLContext | None
+) -> AbstractAsyncContextManager[trio_websocket.WebSocketConnection]:
     ws_url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
-    ssl_context = ssl.create_default_context() if ws_url.startswith("wss://") else None
+    ssl_context = None
+    if ws_url.startswith("wss://"):
+        ssl_context = peer_ssl or ssl.create_default_context()
     return trio_websocket.open_websocket_url(
         ws_url.rstrip("/") + LINK_PATH,
         ssl_context=ssl_context,

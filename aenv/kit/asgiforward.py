@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
@@ -173,8 +174,10 @@ async def forward_websocket(
     port: int,
     headers: Sequence[tuple[str, str]] = (),
     what: str = "upstream",
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
-    """Open the same WebSocket resource upstream and relay messages both ways."""
+    """Open the same WebSocket resource upstream and relay messages both ways
+    (over TLS, verified with `ssl_context`, when one is given)."""
     msg = await receive()
     if msg["type"] != "websocket.connect":
         return
@@ -183,7 +186,7 @@ async def forward_websocket(
             host,
             port,
             target_of(scope),
-            use_ssl=False,
+            use_ssl=ssl_context if ssl_context is not None else False,
             subprotocols=list(scope.get("subprotocols") or []),
             extra_headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers],
             connect_timeout=10,

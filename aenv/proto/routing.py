@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 from aenv.proto.ids import is_sandbox_id
 
-_HOST_RE = re.compile(r"^(?P<port>[0-9]{1,5})-(?P<sid>[a-z0-9]{1,64})\.(?P<rest>.+)$")
+# the Host a client sends names the node's port when it is not the scheme's
+# default (`https://8080-id.domain:8443/`): the route ignores it
+_HOST_RE = re.compile(
+    r"^(?P<port>[0-9]{1,5})-(?P<sid>[a-z0-9]{1,64})\.(?P<rest>[^:]+)(?::[0-9]{1,5})?$"
+)
 
 
 class RoutingError(ValueError):

@@ -64,3 +64,20 @@ def test_a_wildcard_listen_address_advertises_the_host_name() -> None:
 def test_settings_that_cannot_work_are_refused(env: dict[str, str], says: str) -> None:
     with pytest.raises(ValueError, match=says):
         Config.from_env(env)
+
+
+def test_tls_needs_both_files_and_makes_the_node_advertise_https() -> None:
+    for only in ({"AENV_TLS_CERT": "/etc/aenv/tls.pem"}, {"AENV_TLS_KEY": "/etc/aenv/tls.key"}):
+        with pytest.raises(ValueError, match="TLS needs both the certificate chain and"):
+            Config.from_env(only)
+    c = Config.from_env(
+        {
+            "AENV_LISTEN": "10.0.0.1:8443",
+            "AENV_TLS_CERT": "/etc/aenv/tls.pem",
+            "AENV_TLS_KEY": "/etc/aenv/tls.key",
+            "AENV_TLS_CA": "/etc/aenv/ca.pem",
+        }
+    )
+    assert c.scheme == "https"
+    assert c.effective_advertise_url == "https://10.0.0.1:8443"
+    assert str(c.tls_ca) == "/etc/aenv/ca.pem"

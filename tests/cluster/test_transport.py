@@ -3,15 +3,22 @@
 Rules: messages reach the peer with the sender's authenticated id and URL;
 a node with another secret gets nothing through and is counted as refused;
 a link to a peer that is down drops what it cannot send and carries on once
-the peer is up again; sending never blocks.
+the peer is up again; sending never blocks. Over TLS (a CA made by the
+test), a link reaches a peer whose certificate chains to the CA the sender
+trusts, and nothing reaches one that does not.
 """
 
 from __future__ import annotations
 
+import ssl
+from pathlib import Path
+
 import trio
 
 from aenv.cluster.transport import Received, Transport
+from aenv.kit.tls import ServerTLS, client_context
 from aenv.proto.clusterwire import ClusterKey
+from tests.tlscerts import TestCA
 
 KEY = ClusterKey.from_secret("shared")
 
@@ -89,4 +96,35 @@ async def test_a_link_to_a_peer_that_was_down_carries_on_when_it_is_up() -> None
                             got = await b.inbox.receive()
             assert got.peer == "a"
             up.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+
+
+async def _tls_node(
+    nursery: trio.Nursery, node_id: str, serve: ssl.SSLContext, trust: Path
+) -> Transport:
+    t = Transport(KEY, node_id, "https://127.0.0.1:0", nursery, peer_ssl=client_context(trust))
+    server = await nursery.start(
+        lambda task_status: t.serve("127.0.0.1", 0, ssl_context=serve, task_status=task_status)
+    )
+    t.url = f"https://127.0.0.1:{server.port}"
+    return t
+
+
+async def test_tls_links_reach_only_peers_whose_certificate_the_sender_trusts(
+    tmp_path: Path,
+) -> None:
+    ca, other = TestCA(tmp_path / "ca"), TestCA(tmp_path / "other", name="another CA")
+    cert = ServerTLS.load(*ca.issue("node", ips=["127.0.0.1"])).context
+    async with trio.open_nursery() as nursery:
+        a = await _tls_node(nursery, "a", cert, ca.pem)
+        b = await _tls_node(nursery, "b", cert, ca.pem)
+        stranger = await _tls_node(nursery, "s", cert, other.pem)
+        a.send(b.url, b"over tls")
+        got = await _next(b)
+        assert (got.peer, got.peer_url, got.payload) == ("a", a.url, b"over tls")
+        stranger.send(b.url, b"unverified")
+        with trio.move_on_after(1.5):
+            while True:
+                assert (await b.inbox.receive()).payload != b"unverified"
+        assert stranger.statistics()["sent"] == 0
         nursery.cancel_scope.cancel()

@@ -22,6 +22,11 @@ def test_host_routing_needs_matching_domain() -> None:
     assert route(h, "other.com") is None
     assert route(h, None) is None
     assert route({"host": "127.0.0.1:8000"}, "sbx.example.com") is None
+    # a node on another port than the scheme's: the Host names it
+    assert route({"host": f"8080-{SID}.sbx.example.com:8443"}, "sbx.example.com") == Route(
+        SID, 8080
+    )
+    assert route({"host": f"8080-{SID}.sbx.example.com:x"}, "sbx.example.com") is None
 
 
 @pytest.mark.parametrize(
