@@ -163,6 +163,9 @@ def _route(headers: dict[str, str], domain: str | None) -> Route | None:
         assert domain is not None, "host routing without a domain"
         port, _, rest = headers["host"].strip().lower().partition("-")
         assert port.isascii() and port.isdigit() and int(port) == r.port
+        name, colon, listen_port = rest.rpartition(":")
+        if colon and listen_port.isascii() and listen_port.isdigit():
+            rest = name  # the port the client connected to is not part of the route
         assert rest == f"{r.sandbox_id}.{domain.lower()}", "host routed for another domain"
     return r
 

@@ -10,44 +10,71 @@ snapshot it was built into go with it.
 from __future__ import annotations
 
 import trio
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from aenv.api import views
 from aenv.api.common import ApiError, delete_snapshot, deps, json_response, no_content
 from aenv.node import service as sv
+from aenv.proto.clusterroute import HOP_HEADER
 from aenv.proto.ids import InvalidName
 from aenv.storage.templates import Template, TemplateNotFound
 
 bp = Blueprint("templates", __name__)
 
 
-def _template(name: str) -> Template:
+async def _template(name: str) -> Template:
+    """The template `name` names: this node's, else one another node shared
+    through the object store."""
+    node = deps().node
     try:
-        return deps().node.templates.resolve(name)
+        return node.templates.resolve(name)
     except InvalidName as e:
         raise ApiError(400, str(e)) from None
     except TemplateNotFound:
-        raise ApiError(404, f"template {name!r} not found") from None
+        shared = await node.durable.find_template(name)
+        if shared is None:
+            raise ApiError(404, f"template {name!r} not found") from None
+        return shared
+
+
+async def _listed() -> list[dict[str, object]]:
+    """This node's templates and, in a cluster, every other node's, once each."""
+    own = [t.to_api() for t in deps().node.templates.list()]
+    member = deps().cluster
+    if member is None:
+        return own
+    seen = {t["templateID"] for t in own}
+    for t in await member.gather("/cluster/v1/templates"):
+        if isinstance(t, dict) and t.get("templateID") not in seen:
+            seen.add(t.get("templateID"))
+            own.append(t)
+    return own
+
+
+@bp.get("/cluster/v1/templates")
+async def own_templates() -> Response:
+    """This node's own templates, for a peer's cluster-wide list."""
+    return json_response([t.to_api() for t in deps().node.templates.list()])
 
 
 @bp.get("/templates")
 async def templates_v1() -> Response:
-    return json_response([t.to_api() for t in deps().node.templates.list()])
+    return json_response(await _listed())
 
 
 @bp.get("/v2/templates")
 async def templates_v2() -> Response:
-    return json_response([t.to_api() for t in deps().node.templates.list()])
+    return json_response(await _listed())
 
 
 @bp.get("/templates/<template_id>")
 async def template_detail(template_id: str) -> Response:
-    return json_response(views.template_with_builds(_template(template_id)))
+    return json_response(views.template_with_builds(await _template(template_id)))
 
 
 @bp.get("/templates/aliases/<alias>")
 async def template_alias(alias: str) -> Response:
-    t = _template(alias)
+    t = await _template(alias)
     return json_response({"templateID": t.template_id, "public": t.public})
 
 
@@ -59,7 +86,21 @@ async def template_delete(template_id: str) -> Response:
     if snap is not None and snap["snapshotID"] == template_id:
         await delete_snapshot(node, template_id)
         return no_content()
-    t = _template(template_id)
+    member = d.cluster
+    if member is not None and HOP_HEADER not in request.headers:
+        # every other node that holds it deletes its copy first
+        answers = await member.ask_peers("DELETE", f"/templates/{template_id}", timeout_s=60)
+        refusals = [r for r in answers.values() if r.status_code not in (204, 404)]
+        if refusals:
+            return Response(
+                refusals[0].content, refusals[0].status_code, content_type="application/json"
+            )
+        if any(r.status_code == 204 for r in answers.values()):
+            try:
+                node.templates.resolve(template_id)
+            except (TemplateNotFound, InvalidName):
+                return no_content()
+    t = await _template(template_id)
     sandboxes = await d.service.list(states=sv.EVERY_STATE)
     if any(a.template_id == t.template_id for a in sandboxes):
         raise ApiError(409, f"template {template_id!r} is in use by running sandboxes")

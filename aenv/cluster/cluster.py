@@ -31,6 +31,7 @@ from aenv.node.snapshots import is_internal
 from aenv.proto import placement
 from aenv.proto.ids import InvalidName, owner_tag
 from aenv.storage.objstore import StoreError
+from aenv.storage.templates import TemplateNotFound
 
 log = logging.getLogger("aenv.cluster")
 
@@ -183,6 +184,16 @@ class Cluster:
             mem_free=load.mem_free - sum(mb for _, mb in recent) * 2**20,
         )
 
+    def _holds(self, template: str | None) -> frozenset[str]:
+        """{template} if this node holds it now (fresher than its gossiped load)."""
+        if template is None:
+            return frozenset()
+        try:
+            self.node.templates.resolve(template)
+        except (TemplateNotFound, InvalidName):
+            return frozenset()
+        return frozenset({template})
+
     def placement(self, body: bytes) -> Sequence[Peer]:
         template, memory_mb = _template_of(body)
         here = self._here() or placement.NodeLoad(
@@ -196,7 +207,9 @@ class Cluster:
             disk_free=0,
             templates=frozenset(),
         )
-        here = dataclasses.replace(here, draining=self.draining)
+        here = dataclasses.replace(
+            here, draining=self.draining, templates=here.templates | self._holds(template)
+        )
         loads = {here.node: here}
         urls = {here.node: Peer(self.node_id, self.url, "alive")}
         for m in self._members():

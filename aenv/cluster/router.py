@@ -202,7 +202,10 @@ class ClusterRouter:
                 log.warning("create on node %s failed (%s); trying the next", peer.id, e)
                 last_error = f"node {peer.id} unreachable: {e}"
                 continue
-            if resp.status_code in RETRY_CREATE:
+            if resp.status_code in RETRY_CREATE or (
+                resp.status_code == 404 and peer is not candidates[-1]
+            ):
+                # full, going away, or without the template (it may be on the next)
                 log.warning(
                     "node %s refused a create (%d); trying the next", peer.id, resp.status_code
                 )

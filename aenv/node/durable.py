@@ -385,6 +385,27 @@ class Durable:
                 return await self._adopt_template(*found)
         return None
 
+    async def fresh_template(self, template: Template) -> Template:
+        """`template`, or the newer build of it another node shared since (a
+        template rebuilt under the same ID elsewhere). One read of the store
+        for a template that is not one of the node's default ones."""
+        if self.store is None or template.template_id in DEFAULT_TEMPLATE_IDS:
+            return template
+        found = await self._template_record(template_key(template.template_id))
+        if found is None:
+            return template
+        doc = found[1]
+        if doc.get("buildID") in (None, template.build_id):
+            return template
+        if float(doc.get("updatedAt") or 0) <= template.updated_at:
+            return template  # ours is the newer one (its share is on its way)
+        log.info(
+            "template %s was rebuilt on another node (build %s): taking it",
+            template.template_id,
+            doc.get("buildID"),
+        )
+        return await self._adopt_template(*found)
+
     async def _template_record(self, key: str) -> tuple[bytes, dict[str, Any]] | None:
         """A template record from the store, raw and parsed; None if absent or unreadable."""
         assert self.store is not None

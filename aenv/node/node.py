@@ -473,6 +473,7 @@ class Node:
                     raise not_template from None
                 record = await self.images.pull(name, missing_only=True)
                 template = await trio.to_thread.run_sync(self.image_template, record)
+        template = await self.durable.fresh_template(template)
         if template.image_key is not None:
             await self.images.prepare(template.image_key)
         return template

@@ -587,23 +587,32 @@ class TemplateStore:
         return template, None if old is None else old.snapshot_id
 
     def _publish(self, template: Template) -> None:
-        """Make a template that has no root filesystem of its own appear (hold the lock)."""
+        """Make a template that has no root filesystem of its own appear (hold the
+        lock); one of the same ID (an older build another node shared) is replaced."""
         staging = self.root / f"{_STAGING_PREFIX}{template.template_id}-{secrets.token_hex(4)}"
         staging.mkdir(mode=0o755)
+        target = self.root / template.template_id
+        old = self.root / f"{_STAGING_PREFIX}{template.template_id}-old-{secrets.token_hex(4)}"
         try:
             _write_json_atomic(staging / METADATA_FILE, template.to_json())
-            os.rename(staging, self.root / template.template_id)
+            if target.exists():
+                os.rename(target, old)
+            os.rename(staging, target)
             fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
 
     def adopt(self, raw: bytes) -> Template:
         """Record a template another node made (its `to_json`, from the object store).
 
         An image template's image, or a built template's snapshot and base,
-        must be available to this node before a sandbox starts from it; a
-        template of the same ID already here is returned as it is.
+        must be available to this node before a sandbox starts from it. A
+        template of the same ID already here is returned as it is, unless the
+        record is a newer build of it (rebuilt on another node), which
+        replaces it.
         """
         try:
             doc = json.loads(raw)
@@ -616,11 +625,19 @@ class TemplateStore:
             raise TemplateConflict(f"template record {template_id}: {exc}") from None
         with self._locked():
             existing = self._load(template_id)
-            if existing is not None:
+            newer = existing is not None and (
+                existing.build_id != template.build_id and template.updated_at > existing.updated_at
+            )
+            if existing is not None and not newer:
                 return existing
-            self._check_free(template_id, template.aliases)
+            if existing is None:
+                self._check_free(template_id, template.aliases)
             self._publish(template)
-        log.info("adopted template %s from the object store", template_id)
+        log.info(
+            "adopted %s template %s from the object store",
+            "a newer build of" if newer else "",
+            template_id,
+        )
         return template
 
     def mark_share_pending(self, template_id: str, pending: bool) -> None:

@@ -1,7 +1,9 @@
 """The single-node SDK and CLI suites through a cluster of three nodes.
 
 The Python SDK's (tests/e2e/test_sdk.py), the npm SDK's
-(tests/e2e/test_js_sdk.py) and the CLI's (tests/e2e/test_cli.py).
+(tests/e2e/test_js_sdk.py), the CLI's (tests/e2e/test_cli.py) and template
+builds (tests/e2e/test_template_build.py: a template built through node-a on
+whichever node runs the build is found and started through any node).
 
 Rules: the same tests, unchanged; the `node` they get is node-a of a
 three-node cluster (tests/e2e/cluster.py), so their sandboxes are placed on
@@ -19,6 +21,7 @@ from tests.e2e.cluster import three_nodes
 from tests.e2e.test_cli import *  # noqa: F403  (the tests, collected again here)
 from tests.e2e.test_js_sdk import test_js_sdk  # noqa: F401
 from tests.e2e.test_sdk import *  # noqa: F403
+from tests.e2e.test_template_build import *  # noqa: F403
 
 
 @pytest.fixture(scope="module")
