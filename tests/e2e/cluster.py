@@ -34,7 +34,9 @@ class Cluster:
         self.root = root
         self.nodes: dict[str, NodeProc] = {}
 
-    def start(self, name: str, peers: list[str], cidr: str) -> NodeProc:
+    def start(
+        self, name: str, peers: list[str], cidr: str, *, secret: str | None = None
+    ) -> NodeProc:
         home = self.root / name
         if not home.exists():
             home.mkdir()
@@ -48,7 +50,7 @@ class Cluster:
                 "AENV_NODE_TAG": "",  # derived from the node id: one per node
                 "AENV_NET_PREFIX": f"{PREFIX}{name[-1]}",
                 "AENV_SLOT_CIDR": cidr,
-                "AENV_CLUSTER_SECRET": SECRET,
+                "AENV_CLUSTER_SECRET": secret or SECRET,
                 "AENV_CLUSTER_PEERS": ",".join(peers),
                 "AENV_STORE_URL": f"file://{self.root / 'store'}",
             },

@@ -24,8 +24,8 @@ import pytest
 from e2b import Sandbox
 
 from aenv.proto.ownership import SandboxClaim
-from tests.conftest import requires_node, stop_node
-from tests.e2e.cluster import CIDRS, KEY, TEMPLATE, Cluster, owner, three_nodes
+from tests.conftest import leaks, requires_node, stop_node
+from tests.e2e.cluster import CIDRS, KEY, PREFIX, TEMPLATE, Cluster, owner, three_nodes
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -56,6 +56,25 @@ def test_nodes_find_each_other_from_one_peer(cluster: Cluster) -> None:
         check=True,
     ).stdout
     assert {m["nodeID"]: m["state"] for m in json.loads(out)} == everyone
+
+
+def test_a_node_without_the_secret_gets_no_membership(cluster: Cluster) -> None:
+    everyone = {"node-a": "alive", "node-b": "alive", "node-c": "alive"}
+    cluster.wait_members(everyone)
+    a = cluster.nodes["node-a"]
+    intruder = cluster.start("node-x", [a.url], "10.239.0.0/16", secret="not-" + "s" * 16)
+    try:
+        deadline = time.monotonic() + 20
+        while "refused a cluster connection" not in a.log_path.read_text():
+            assert time.monotonic() < deadline, "node-a never logged the refusal"
+            time.sleep(0.3)
+        time.sleep(2)  # a few probe rounds: nobody learns of it, it learns of nobody
+        assert cluster.members("node-a") == everyone
+        assert cluster.members("node-x") == {"node-x": "alive"}
+    finally:
+        stop_node(intruder)
+        del cluster.nodes["node-x"]
+    assert not leaks(intruder.home, f"{PREFIX}x")
 
 
 def test_a_sandbox_on_another_node_is_driven_through_this_one(cluster: Cluster) -> None:
