@@ -27,6 +27,7 @@ from aenv.cluster.owners import Owners
 from aenv.cluster.service import ClusterSandboxService
 from aenv.cluster.transport import Transport
 from aenv.config import Config
+from aenv.kit.asgiforward import ForwardingClient
 from aenv.node.node import Node
 from aenv.node.service import PAUSED, SandboxService
 from aenv.proto.clusterwire import ClusterKey
@@ -41,7 +42,7 @@ class ClusterMember:
     transport: Transport
     membership: Membership
     cluster: Cluster
-    http: httpx.AsyncClient  # to other nodes' APIs
+    http: ForwardingClient  # to other nodes' APIs
 
     def service(self, local: SandboxService) -> ClusterSandboxService:
         return ClusterSandboxService(local, self.cluster, http=self.http, api_key=self.api_key)
@@ -71,7 +72,7 @@ async def open_cluster_member(config: Config, node: Node) -> AsyncIterator[Clust
     url = config.effective_advertise_url
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with (
-        httpx.AsyncClient(limits=limits, timeout=30.0) as http,
+        ForwardingClient(limits=limits, timeout=30.0) as http,
         trio.open_nursery() as nursery,
     ):
         transport = Transport(key, node_id, url, nursery)

@@ -27,6 +27,7 @@ import httpx
 
 from aenv.kit.asgiforward import (
     CONNECTION_HEADERS,
+    ForwardingClient,
     Receive,
     Scope,
     Send,
@@ -83,7 +84,7 @@ class ClusterRouter:
         app: ASGIApp,
         cluster: ClusterView,
         *,
-        http: httpx.AsyncClient,
+        http: ForwardingClient,
         domain: str | None,
         counter: Callable[[str], None] = lambda kind: None,
     ) -> None:
