@@ -7,11 +7,16 @@ ends in the tag of the node that created it (`aenv.proto.ids`), which is
 where a call for it is sent unless this node holds it.
 
 `measure_load` reads what this node gossips about itself: memory, CPU load,
-sandboxes, free disk, the templates it holds, whether it is draining.
+sandboxes, free disk, the templates it holds, whether it is draining, and
+the machine it runs on (its boot ID), so nodes sharing a machine are scored
+with one reading of it (`placement.share_host`). Placement also counts the
+creates this node sent to each node that the node's gossip does not show yet
+(`placement.Pending`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -19,6 +24,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import trio
 
 from aenv.cluster.leases import Ownership, OwnershipError
 from aenv.cluster.router import Peer
@@ -63,6 +70,16 @@ class Member:
         }
 
 
+@functools.cache
+def host_id() -> str:
+    """This machine's boot ID: equal for the nodes that share its memory and CPU."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def measure_load(node: Node, *, draining: bool = False) -> placement.NodeLoad:
     """This node's capacity and load, to gossip (blocking reads of /proc; cheap)."""
     available, total = read_meminfo()
@@ -80,6 +97,7 @@ def measure_load(node: Node, *, draining: bool = False) -> placement.NodeLoad:
             name for t in node.templates.list() for name in (t.template_id, *t.aliases)
         ),
         draining=draining,
+        host=host_id(),
     )
 
 
@@ -101,6 +119,7 @@ class Cluster:
         self._rng = rng or random.Random()
         self.draining = False
         self.ownership: Ownership | None = None  # set once the node's lease is live
+        self.pending = placement.Pending()
 
     def members(self) -> list[Member]:
         return sorted(self._members(), key=lambda m: m.id)
@@ -156,11 +175,14 @@ class Cluster:
             if m.id != self.node_id and m.state == "alive":
                 loads[m.id] = m.load
                 urls[m.id] = m.as_peer()
+        now = trio.current_time()
+        seen = placement.share_host(loads.values(), here)
         ranked = placement.rank(
-            list(loads.values()), template=template, memory_mb=memory_mb, rng=self._rng
+            self.pending.apply(seen, now), template=template, memory_mb=memory_mb, rng=self._rng
         )
         if not ranked:  # nobody reports room: try here (the node answers why not)
             return [urls[self.node_id]]
+        self.pending.placed(loads[ranked[0].node], now)
         return [urls[n.node] for n in ranked]
 
 
