@@ -15,10 +15,9 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
-import httpx
-
 from aenv.kit.asgiforward import (
     CONNECTION_HEADERS,
+    ForwardingClient,
     Receive,
     Scope,
     Send,
@@ -114,7 +113,7 @@ class SandboxProxy:
         receive: Receive,
         send: Send,
         upstream: str,
-        client: httpx.AsyncClient,
+        client: ForwardingClient,
         headers: dict[str, str],
     ) -> None:
         fwd = [(k, v) for k, v in headers.items() if k not in HOP_BY_HOP]

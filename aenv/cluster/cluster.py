@@ -7,21 +7,26 @@ ends in the tag of the node that created it (`aenv.proto.ids`), which is
 where a call for it is sent unless this node holds it.
 
 `measure_load` reads what this node gossips about itself: memory, CPU load,
-sandboxes, free disk, the templates it holds, whether it is draining.
+sandboxes, free disk, the templates it holds, whether it is draining, and
+the machine it runs on (its boot ID), so nodes sharing a machine are scored
+with one reading of it (`placement.share_host`). Placement also counts the
+creates this node sent to each node that the node's gossip does not show yet
+(`placement.Pending`).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import json
 import logging
 import os
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import trio
 
 from aenv.cluster.leases import Ownership, OwnershipError
 from aenv.cluster.router import Peer
@@ -34,10 +39,6 @@ from aenv.storage.objstore import StoreError
 from aenv.storage.templates import TemplateNotFound
 
 log = logging.getLogger("aenv.cluster")
-
-# how long a create this node placed counts in the target's load: until the
-# target's next load gossip (every few seconds) includes it
-PLACED_WINDOW_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,16 @@ class Member:
         }
 
 
+@functools.cache
+def host_id() -> str:
+    """This machine's boot ID: equal for the nodes that share its memory and CPU."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 async def measure_load(node: Node, *, draining: bool = False) -> placement.NodeLoad:
     """This node's capacity and load, to gossip: memory, CPU, sandboxes, disk, and
     the templates and snapshots it holds (reads of /proc: cheap)."""
@@ -92,6 +103,7 @@ async def measure_load(node: Node, *, draining: bool = False) -> placement.NodeL
             + [str(n) for d in snapshots for n in (d["snapshotID"], *(d.get("names") or ()))]
         ),
         draining=draining,
+        host=host_id(),
     )
 
 
@@ -115,8 +127,7 @@ class Cluster:
         self._rng = rng or random.Random()
         self.draining = False
         self.ownership: Ownership | None = None  # set once the node's lease is live
-        # creates this node placed lately, by node: their load is not gossiped yet
-        self._placed: dict[str, collections.deque[tuple[float, int]]] = {}
+        self.pending = placement.Pending()
 
     def members(self) -> list[Member]:
         return sorted(self._members(), key=lambda m: m.id)
@@ -163,27 +174,6 @@ class Cluster:
             return m.as_peer()
         return Peer(view.claim.node, view.owner_url, "alive" if view.owner_url else "dead")
 
-    def placed(self, node_id: str, body: bytes) -> None:
-        """A create this node placed went to `node_id`: count it in that node's
-        load until its own gossip has had time to show it."""
-        _, memory_mb = _template_of(body)
-        self._placed.setdefault(node_id, collections.deque()).append((time.monotonic(), memory_mb))
-
-    def _with_placed(self, load: placement.NodeLoad) -> placement.NodeLoad:
-        recent = self._placed.get(load.node)
-        if not recent:
-            return load
-        horizon = time.monotonic() - PLACED_WINDOW_S
-        while recent and recent[0][0] < horizon:
-            recent.popleft()
-        if not recent:
-            return load
-        return dataclasses.replace(
-            load,
-            sandboxes=load.sandboxes + len(recent),
-            mem_free=load.mem_free - sum(mb for _, mb in recent) * 2**20,
-        )
-
     def _holds(self, template: str | None) -> frozenset[str]:
         """{template} if this node holds it now (fresher than its gossiped load)."""
         if template is None:
@@ -216,7 +206,8 @@ class Cluster:
             if m.id != self.node_id and m.state == "alive":
                 loads[m.id] = m.load
                 urls[m.id] = m.as_peer()
-        nodes = [self._with_placed(n) for n in loads.values()]
+        now = trio.current_time()
+        nodes = self.pending.apply(placement.share_host(loads.values(), here), now)
         # a snapshot (or a template) only some nodes hold goes to one of them first
         holders = [n for n in nodes if template is not None and template in n.templates]
         ranked = placement.rank(holders, template=template, memory_mb=memory_mb, rng=self._rng)
@@ -227,6 +218,7 @@ class Cluster:
         ]
         if not ranked:  # nobody reports room: try here (the node answers why not)
             return [urls[self.node_id]]
+        self.pending.placed(loads[ranked[0].node], now)
         return [urls[n.node] for n in ranked]
 
 

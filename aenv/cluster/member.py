@@ -33,6 +33,7 @@ from aenv.cluster.owners import Owners
 from aenv.cluster.service import ClusterSandboxService
 from aenv.cluster.transport import Transport
 from aenv.config import Config
+from aenv.kit.asgiforward import ForwardingClient
 from aenv.node.node import Node
 from aenv.node.service import PAUSED, SandboxService
 from aenv.proto.clusterroute import HOP_HEADER
@@ -48,7 +49,7 @@ class ClusterMember:
     transport: Transport
     membership: Membership
     cluster: Cluster
-    http: httpx.AsyncClient  # to other nodes' APIs
+    http: ForwardingClient  # to other nodes' APIs
 
     def service(self, local: SandboxService) -> ClusterSandboxService:
         return ClusterSandboxService(local, self.cluster, http=self.http, api_key=self.api_key)
@@ -131,7 +132,7 @@ async def open_cluster_member(
     url = config.effective_advertise_url
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     async with (
-        httpx.AsyncClient(limits=limits, timeout=30.0, verify=peer_ssl) as http,
+        ForwardingClient(limits=limits, timeout=30.0, verify=peer_ssl) as http,
         trio.open_nursery() as nursery,
     ):
         transport = Transport(key, node_id, url, nursery, peer_ssl=peer_ssl)

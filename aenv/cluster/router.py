@@ -28,6 +28,7 @@ import httpx
 
 from aenv.kit.asgiforward import (
     CONNECTION_HEADERS,
+    ForwardingClient,
     Receive,
     Scope,
     Send,
@@ -77,10 +78,6 @@ class ClusterView(Protocol):
         """Nodes to try for a create, best first (this node among them)."""
         ...
 
-    def placed(self, node_id: str, body: bytes) -> None:
-        """A create went to `node_id` (it counts in that node's load for a while)."""
-        ...
-
 
 class ClusterRouter:
     def __init__(
@@ -88,7 +85,7 @@ class ClusterRouter:
         app: ASGIApp,
         cluster: ClusterView,
         *,
-        http: httpx.AsyncClient,
+        http: ForwardingClient,
         domain: str | None,
         ssl_context: ssl.SSLContext | None = None,
         counter: Callable[[str], None] = lambda kind: None,
@@ -187,7 +184,6 @@ class ClusterRouter:
         last_error = "no node of the cluster has room for another sandbox"
         for peer in candidates:
             if peer.id == self.cluster.node_id:
-                self.cluster.placed(peer.id, body)
                 await self.app(scope, _replay(body, receive), send)
                 return
             try:
@@ -212,8 +208,6 @@ class ClusterRouter:
                 last_error = f"node {peer.id}: {resp.text[:200]}"
                 continue
             self.counter("create")
-            if resp.status_code < 300:
-                self.cluster.placed(peer.id, body)
             out = [
                 (k.encode("latin-1"), v.encode("latin-1"))
                 for k, v in resp.headers.multi_items()

@@ -32,6 +32,7 @@ import httpx
 import trio
 
 from aenv.config import Config
+from aenv.kit.asgiforward import ForwardingClient
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree
 from aenv.kit.mailbox import Mailbox, Request
@@ -63,12 +64,11 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def _http_client() -> httpx.AsyncClient:
+def _http_client() -> ForwardingClient:
     """The node's client for one sandbox's envd and proxied traffic."""
-    return httpx.AsyncClient(
+    return ForwardingClient(
         limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
         timeout=httpx.Timeout(30.0),
-        trust_env=False,
         verify=_tls_context(),
     )
 
@@ -288,7 +288,7 @@ class SandboxActor:
         # current running period. A checkpoint must not catch idle keep-alive
         # connections (envd does not survive restoring them), so pausing closes
         # this client first and resuming opens a new one.
-        self.http: httpx.AsyncClient | None = None
+        self.http: ForwardingClient | None = None
         self._runtime_stack: AsyncExitStack | None = None
         # The sandbox's read-only layers (frozen uppers over the template) and
         # the memory image the next running period restores (None: boot).

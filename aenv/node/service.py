@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import httpx
 import trio
 
 from aenv.images.registry import (
@@ -39,6 +38,7 @@ from aenv.images.registry import (
 )
 from aenv.images.store import PullError
 from aenv.kit import mailbox
+from aenv.kit.asgiforward import ForwardingClient
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import (
     ExtendTimeout,
@@ -280,7 +280,7 @@ class Endpoint:
     sandbox_id: str
     host: str
     port: int
-    http: httpx.AsyncClient
+    http: ForwardingClient
     envd_access_token: str
     allow_public_traffic: bool
     traffic_access_token: str

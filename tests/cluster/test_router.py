@@ -8,7 +8,10 @@ Rules: a call about a sandbox another node holds reaches that node whole
 (method, path, query, body, headers, Host) with the hop header, streamed
 both ways, WebSocket included; one held here, one nobody claims, and
 everything else are served here; a dead owner is a 503 naming it at once;
-a create goes to the first candidate that takes it, its body replayed.
+a create goes to the first candidate that takes it, its body replayed. A
+forwarded request carries the client's headers and nothing the forwarder's
+HTTP client would add: no default headers, no cookie an earlier response set
+for someone else.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve
 
 from aenv.cluster.router import ClusterRouter, Peer
-from aenv.kit.asgiforward import Receive, Scope, Send
+from aenv.kit.asgiforward import ForwardingClient, Receive, Scope, Send
 from aenv.proto.clusterroute import HOP_HEADER
 
 HERE_SID = "aaaaaaaaaaaaaaaahere"
@@ -59,6 +62,19 @@ def _echo_app(name: str, *, refuse_creates: bool = False) -> Any:
             body += m.get("body", b"")
             if not m.get("more_body"):
                 break
+        if scope["path"] == "/login":  # a cookie for this client, with a known length
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"set-cookie", b"session=alice; Path=/"),
+                        (b"content-length", b"2"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
         if refuse_creates and scope["method"] == "POST":
             await send({"type": "http.response.start", "status": 503, "headers": []})
             await send({"type": "http.response.body", "body": b"full"})
@@ -92,16 +108,12 @@ class View:
 
     def __init__(self, there: Peer, full: Peer) -> None:
         self.there, self.full = there, full
-        self.placed_on: list[str] = []
 
     def runs_here(self, sandbox_id: str) -> bool:
         return sandbox_id == HERE_SID
 
     def not_serving(self) -> str | None:
         return None
-
-    def placed(self, node_id: str, body: bytes) -> None:
-        self.placed_on.append(node_id)
 
     async def owner_of(self, sandbox_id: str) -> Peer | None:
         if sandbox_id == THERE_SID:
@@ -129,11 +141,12 @@ async def nodes() -> AsyncIterator[tuple[str, httpx.AsyncClient]]:
     async with (
         trio.open_nursery() as nursery,
         httpx.AsyncClient() as http,
+        ForwardingClient(limits=httpx.Limits(), timeout=30) as forwarder,
         _serving(nursery, _echo_app("there")) as there,
         _serving(nursery, _echo_app("full", refuse_creates=True)) as full,
     ):
         view = View(Peer("there", there, "alive"), Peer("full", full, "alive"))
-        router = ClusterRouter(_echo_app("here"), view, http=http, domain="sb.test")
+        router = ClusterRouter(_echo_app("here"), view, http=forwarder, domain="sb.test")
         async with _serving(nursery, router) as here:
             yield here, http
         nursery.cancel_scope.cancel()
@@ -160,6 +173,28 @@ async def test_calls_about_another_nodes_sandbox_reach_it_whole(
     r = await http.get(f"{here}/files", headers={"Host": f"49983-{THERE_SID}.sb.test"})
     assert r.json()["node"] == "there"
     assert r.json()["headers"]["host"] == f"49983-{THERE_SID}.sb.test"
+
+
+async def test_a_forwarded_request_carries_only_what_its_client_sent(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, _ = nodes
+    headers = {"e2b-sandbox-id": THERE_SID, "e2b-sandbox-port": "8080"}
+    async with httpx.AsyncClient() as alice:
+        r = await alice.get(f"{here}/login", headers=headers)
+        assert (r.status_code, r.text, r.headers["set-cookie"]) == (
+            200,
+            "ok",
+            "session=alice; Path=/",
+        )
+    async with httpx.AsyncClient() as bob:
+        del bob.headers["accept-encoding"]
+        r = await bob.get(f"{here}/", headers=headers)
+    seen = r.json()["headers"]
+    assert "cookie" not in seen, seen  # alice's session never reaches bob's request
+    assert "accept-encoding" not in seen, seen  # bob asked for no compression
+    sent = {k.lower() for k in r.request.headers} - {"connection"}
+    assert set(seen) == sent | {HOP_HEADER}, (seen, sent)
 
 
 async def test_responses_stream_through(nodes: tuple[str, httpx.AsyncClient]) -> None:

@@ -2,7 +2,11 @@
 
 Rules: never a draining or full node; the emptier node wins; a node holding
 the template wins a near tie; every node with room is in the answer, sampled
-ones first; a burst spreads over the nodes.
+ones first; a burst spreads over the nodes. Nodes on one machine are scored
+with one reading of its memory and CPU; a create placed on a node counts
+there until the node's gossip shows it (or for `PENDING_S`), so a burst of
+creates from one node spreads evenly even though loads are gossiped only
+every few seconds.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import collections
 import random
 
-from aenv.proto.placement import NodeLoad, rank
+import pytest
+
+from aenv.proto.placement import PENDING_S, NodeLoad, Pending, rank, share_host
 
 GiB = 2**30
 
@@ -26,6 +32,7 @@ def _node(name: str, *, free_gib: float = 8, sandboxes: int = 0, **kw: object) -
         max_sandboxes=100,
         disk_free=100 * GiB,
         templates=frozenset(),
+        host="",
     )
     base.update(kw)
     return NodeLoad(**base)  # type: ignore[arg-type]
@@ -67,3 +74,76 @@ def test_gossiped_meta_round_trips_and_garbage_means_no_room() -> None:
     assert NodeLoad.from_json("a", n.to_json()) == n
     junk = NodeLoad.from_json("x", {"memTotal": "lots", "templates": "base", "maxSandboxes": True})
     assert not junk.has_room
+
+
+def test_nodes_on_one_machine_share_its_freshest_reading() -> None:
+    here = _node("a", free_gib=6, cpu_load=2.0, host="m1")
+    b = _node("b", free_gib=7, host="m1")  # gossiped earlier, before memory went
+    c1, c2 = _node("c1", free_gib=9, host="m2"), _node("c2", free_gib=8, host="m2")
+    alone = _node("d", free_gib=10)  # no machine known: its own figures
+    out = {n.node: n for n in share_host([here, b, c1, c2, alone], here)}
+    assert (out["b"].mem_free, out["b"].cpu_load) == (here.mem_free, 2.0)
+    assert out["b"].sandboxes == b.sandboxes
+    assert out["c1"].mem_free == out["c2"].mem_free == c2.mem_free  # the fullest
+    assert out["d"] == alone and out["a"] == here
+
+
+def test_a_create_counts_on_its_node_until_its_gossip_shows_it() -> None:
+    pending = Pending()
+    b = _node("b", sandboxes=4)
+    pending.placed(b, now=0.0)
+    pending.placed(b, now=1.0)
+    assert pending.apply([b], now=1.0)[0].sandboxes == 6
+    # the node's gossip shows one of them
+    assert pending.apply([_node("b", sandboxes=5)], now=2.0)[0].sandboxes == 6
+    # and then both (another node's create landing there counts the same)
+    assert pending.apply([_node("b", sandboxes=7)], now=2.5)[0].sandboxes == 7
+    assert pending.statistics() == {}
+    # one whose node never shows it (the create failed) counts for PENDING_S
+    pending.placed(b, now=10.0)
+    assert pending.apply([b], now=10.0 + PENDING_S - 0.1)[0].sandboxes == 5
+    assert pending.apply([b], now=10.0 + PENDING_S)[0].sandboxes == 4
+
+
+def _burst(seed: int) -> collections.Counter[str]:
+    """30 creates through node a, one every 0.4 s, as `bench/cluster.py` makes
+    them: three nodes on one machine, each gossiping its load every 3 s
+    (at its own phase); each sandbox takes 35 MiB of the machine's memory."""
+    rng = random.Random(seed)
+    total, used = 24 * GiB, 1 * GiB
+
+    def load(name: str, sandboxes: int) -> NodeLoad:
+        return _node(
+            name,
+            mem_total=total,
+            mem_free=total - used,
+            sandboxes=sandboxes,
+            max_sandboxes=256,  # the default
+            host="m",
+        )
+
+    count = dict.fromkeys("abc", 0)
+    phase = {"b": rng.uniform(0, 3), "c": rng.uniform(0, 3)}
+    gossiped = {n: load(n, 0) for n in "bc"}
+    pending = Pending()
+    placed: collections.Counter[str] = collections.Counter()
+    for i in range(30):
+        now = i * 0.4
+        for n in "bc":  # a gossip since the last create
+            if int((now - phase[n]) // 3) != int((now - 0.4 - phase[n]) // 3):
+                gossiped[n] = load(n, count[n])
+        here = load("a", count["a"])
+        known = {here.node: here, **gossiped}
+        loads = pending.apply(share_host(known.values(), here), now)
+        best = rank(loads, template=None, memory_mb=512, rng=rng)[0]
+        pending.placed(known[best.node], now)
+        placed[best.node] += 1
+        count[best.node] += 1
+        used += 35 * 2**20
+    return placed
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_burst_from_one_node_spreads_evenly_over_one_machine(seed: int) -> None:
+    placed = _burst(seed)
+    assert all(8 <= placed[n] <= 12 for n in "abc"), placed  # the mean +/- 20 %
