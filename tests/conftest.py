@@ -10,6 +10,7 @@ check: no runsc process, netns, veth, nft table or mount of that node remains.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -163,6 +164,24 @@ def start_node(
     raise RuntimeError(f"node did not answer /health in 60s:\n{log_path.read_text()[-4000:]}")
 
 
+@contextlib.contextmanager
+def sdk_pointed_at(url: str, api_key: str) -> Iterator[None]:
+    """The e2b SDK's environment (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY)
+    pointed at the node at `url` for the block; E2B_DOMAIN unset."""
+    names = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
+    old = {k: os.environ.get(k) for k in names}
+    os.environ.pop("E2B_DOMAIN", None)
+    os.environ.update({"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": api_key})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def stop_node(node: NodeProc, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
     node.proc.send_signal(sig)
     try:
@@ -225,19 +244,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
     link_home(home, private)
     log_path = private / "node.log"
     n = start_node(private, api_key="aenv_test_" + secrets.token_hex(8), log_path=log_path)
-    old = {
-        k: os.environ.get(k)
-        for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
-    }
-    os.environ.update({"E2B_API_URL": n.url, "E2B_SANDBOX_URL": n.url, "E2B_API_KEY": n.api_key})
     try:
-        yield n
+        with sdk_pointed_at(n.url, n.api_key):
+            yield n
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         code = stop_node(n)
         left = leaks(private)
         if code != 0 or left:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
 
 from aenv.kit.asgiforward import (
     CONNECTION_HEADERS,
+    ASGIApp,
     ForwardingClient,
     Receive,
     Scope,
@@ -32,7 +32,6 @@ from aenv.runtimes.base import ENVD_PORT
 
 log = logging.getLogger("aenv.proxy")
 
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Not forwarded into a sandbox: the connection's own headers and the routing ones.
 HOP_BY_HOP = CONNECTION_HEADERS | {

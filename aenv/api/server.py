@@ -23,10 +23,11 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from aenv.api.app import create_app
-from aenv.api.proxy import ASGIApp, SandboxProxy
+from aenv.api.proxy import SandboxProxy
 from aenv.cluster.member import ClusterMember, open_cluster_member
 from aenv.cluster.router import ClusterRouter
 from aenv.config import Config
+from aenv.kit.asgiforward import ASGIApp
 from aenv.kit.tls import ServerTLS, client_context
 from aenv.node.node import Node, open_node
 from aenv.node.service import LocalSandboxService, SandboxService

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -28,6 +28,7 @@ import httpx
 
 from aenv.kit.asgiforward import (
     CONNECTION_HEADERS,
+    ASGIApp,
     ForwardingClient,
     Receive,
     Scope,
@@ -42,7 +43,6 @@ from aenv.proto.routing import route
 
 log = logging.getLogger("aenv.cluster.router")
 
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 MAX_CREATE_BODY = 1 << 20
 # a node answering these to a create has no room or is going away: try the next
 RETRY_CREATE = frozenset({502, 503, 507})

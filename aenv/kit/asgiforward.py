@@ -34,6 +34,7 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Headers about one connection, never forwarded (RFC 9110 7.6.1, plus h2c's).
 CONNECTION_HEADERS = frozenset(

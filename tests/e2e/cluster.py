@@ -19,7 +19,15 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import NodeProc, built_home, leaks, link_home, start_node, stop_node
+from tests.conftest import (
+    NodeProc,
+    built_home,
+    leaks,
+    link_home,
+    sdk_pointed_at,
+    start_node,
+    stop_node,
+)
 
 TEMPLATE = "busybox"
 SECRET = secrets.token_hex(16)
@@ -89,19 +97,13 @@ def owner(c: Cluster, sandbox_id: str) -> str:
 def three_nodes(root: Path) -> Iterator[Cluster]:
     c = Cluster(root)
     cidrs = CIDRS.split(",")
-    old = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
     try:
         a = c.start("node-a", [], cidrs[0])
         c.start("node-b", [a.url], cidrs[1])
         c.start("node-c", [a.url], cidrs[2])
-        os.environ.update({"E2B_API_URL": a.url, "E2B_SANDBOX_URL": a.url, "E2B_API_KEY": KEY})
-        yield c
+        with sdk_pointed_at(a.url, KEY):
+            yield c
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         for n in c.nodes.values():
             with contextlib.suppress(Exception):
                 if n.proc.poll() is None:
