@@ -58,6 +58,7 @@ from aenv.kit.supervisor import (
 )
 from aenv.node import forks, pressure
 from aenv.node.builds import Builds
+from aenv.node.defaults import DefaultTemplates
 from aenv.node.durable import Durable
 from aenv.node.host import Host, HttpEnvd, WritableRoots
 from aenv.node.pool import Pool
@@ -181,6 +182,9 @@ class Node:
             templates=templates,
             images=images,
             services=services,
+        )
+        self.defaults = DefaultTemplates(  # base and busybox via the store
+            config=config, templates=templates, store=self.durable.store, services=services
         )
         self.warmer = Warmer(self.snapshots, self, services, enabled=config.warm_templates)
         self.pool = Pool(self.snapshots, self, services, size=config.pool_size)
@@ -462,6 +466,7 @@ class Node:
             # Docker Hub lookup): here, else one another node put in the object
             # store. An image reference has a tag, digest or path.
             if not any(c in name for c in "/:@"):
+                await self.defaults.lookup(name)  # a default template: being fetched?
                 shared = await self.durable.find_template(name)
                 if shared is None:
                     raise
@@ -912,6 +917,7 @@ async def open_node_on(
         await node.durable.serve_lazy_layers()  # before anything mounts them
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
+        await node.defaults.start()  # default templates shared, or fetched if missing
         if config.hibernate_memory_low_pct > 0:
             services.start_soon(
                 "memory-pressure",
