@@ -34,7 +34,7 @@ from aenv.config import Config
 from aenv.kit.retry import Backoff
 from aenv.kit.supervisor import ChildHandle, RestartPolicy, StopToken, Strategy, Supervisor
 from aenv.storage.objstore import ObjectStore, StoreError
-from aenv.storage.rootfs import build_lock, recipe, staging_dir
+from aenv.storage.rootfs import build_lock, recipe, remove_leftover_builds, staging_dir
 from aenv.storage.snapstore import SnapshotUnavailable
 from aenv.storage.snapstore.defaults import (
     StoredRootfs,
@@ -45,6 +45,7 @@ from aenv.storage.snapstore.defaults import (
 )
 from aenv.storage.templates import (
     DEFAULT_TEMPLATE_IDS,
+    Template,
     TemplateConflict,
     TemplateNotFound,
     TemplateStore,
@@ -114,22 +115,22 @@ class DefaultTemplates:
         job = self._fetches.get(template_id)
         return job is not None and not job.done
 
-    async def lookup(self, name: str) -> None:
-        """For a template this node does not have: raise `TemplateFetching` if `name`
+    async def lookup(self, name: str) -> Template | None:
+        """For a template this node did not have: raise `TemplateFetching` if `name`
         is a default template being fetched, or one the store holds (whose fetch
-        this starts); return if it is neither."""
+        this starts); the template if it arrived meanwhile; None otherwise."""
         if name not in DEFAULT_TEMPLATE_IDS or self._store is None:
-            return
+            return None
         if not self.fetching(name):
+            with contextlib.suppress(TemplateNotFound):
+                return await trio.to_thread.run_sync(self._templates.resolve, name)
             try:
                 found = await find_rootfs(self._store, name, recipe(name))
             except (StoreError, SnapshotUnavailable) as exc:
                 log.warning("cannot look up template %s in the object store: %s", name, exc)
-                return
+                return None
             if found is None:
-                return
-            if await trio.to_thread.run_sync(self._present, name):
-                return  # fetched (or built) since the caller looked
+                return None
             self._start_fetch(name, found)
         raise TemplateFetching(name, self._sizes.get(name), FETCH_RETRY_S)
 
@@ -196,6 +197,8 @@ class DefaultTemplates:
         async with self._locked():
             if await trio.to_thread.run_sync(self._present, template_id):
                 return  # built or fetched meanwhile (`make serve`, another job)
+            # a fetch this node's earlier process did not finish (nobody else builds now)
+            await trio.to_thread.run_sync(remove_leftover_builds, templates)
             staging: Path = await trio.to_thread.run_sync(staging_dir, templates, template_id)
             try:
                 await fetch_rootfs(self._store, found, staging / "rootfs")

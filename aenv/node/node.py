@@ -15,7 +15,8 @@ runs the rest, each with its own restart policy: the memory watcher and the
 host network's watchdog, the pool fillers (`aenv.node.pool`), template
 warm-ups (`aenv.node.warm`), builds (`aenv.node.builds`), uploads, template
 shares, layer copies and the store's garbage collection
-(`aenv.node.durable`), and one-shot jobs: the second half of a fork
+(`aenv.node.durable`), the default templates' shares and fetches
+(`aenv.node.defaults`), and one-shot jobs: the second half of a fork
 (`aenv.node.forks`) or a snapshot (`aenv.node.snapshots.record_capture`)
 after the sandbox's own capture, and background calls (`start_background`).
 None of them escalates: a child that keeps failing is given up on, logged,
@@ -466,8 +467,8 @@ class Node:
             # Docker Hub lookup): here, else one another node put in the object
             # store. An image reference has a tag, digest or path.
             if not any(c in name for c in "/:@"):
-                await self.defaults.lookup(name)  # a default template: being fetched?
-                shared = await self.durable.find_template(name)
+                # a default template: fetched meanwhile, or being fetched (503)?
+                shared = await self.defaults.lookup(name) or await self.durable.find_template(name)
                 if shared is None:
                     raise
                 template = shared

@@ -372,6 +372,13 @@ def _has(store: TemplateStore, template_id: str) -> bool:
         return False
 
 
+def remove_leftover_builds(store: TemplateStore, progress: Progress | None = None) -> None:
+    """Remove what a build or fetch that stopped half-way left (hold `build_lock`)."""
+    for leftover in store.root.glob(f"{_BUILD_PREFIX}*"):
+        _say(progress, f"removing leftover build {leftover}")
+        _remove_tree(leftover)
+
+
 def staging_dir(store: TemplateStore, template_id: str) -> Path:
     """A new directory to build or fetch a template in (hold `build_lock`): removed
     as a leftover by the next `ensure_default_templates` if left behind."""
@@ -395,9 +402,7 @@ def ensure_default_templates(
     built.
     """
     with build_lock(store):
-        for leftover in store.root.glob(f"{_BUILD_PREFIX}*"):
-            _say(progress, f"removing leftover build {leftover}")
-            _remove_tree(leftover)
+        remove_leftover_builds(store, progress)
         wanted: list[tuple[str, Callable[[Path], None]]] = [
             ("busybox", build_busybox_rootfs),
         ]
