@@ -12,6 +12,7 @@ Retry-After and says so, never 404. Nothing of either node may leak.
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import time
@@ -24,8 +25,6 @@ from e2b import Sandbox
 from aenv.storage.rootfs import recipe
 from aenv.storage.snapstore.defaults import StoredRootfs, pointer_key, rootfs_index
 from tests.conftest import (
-    NET_PREFIX,
-    SLOT_CIDR,
     NodeProc,
     built_home,
     leaks,
@@ -38,6 +37,9 @@ from tests.conftest import (
 pytestmark = [requires_node, pytest.mark.runsc]
 
 DEFAULTS = ("busybox", "base")
+# this module's own network names and slot range (the session's node may run meanwhile)
+PREFIX = os.environ.get("AENV_TEST_DEFAULTS_PREFIX", "aenvd")
+CIDRS = os.environ.get("AENV_TEST_DEFAULTS_CIDRS", "10.239.0.0/16,10.240.0.0/16").split(",")
 
 
 def _wait_shared(store: Path, node: NodeProc, limit: float = 240) -> dict[str, StoredRootfs]:
@@ -82,7 +84,11 @@ def test_a_node_with_an_empty_home_takes_the_templates_from_the_store(
     built = built_home()
     assert built is not None
     store = tmp_path / "store"
-    env = {"AENV_STORE_URL": store.as_uri(), "AENV_NET_PREFIX": NET_PREFIX}
+    env = {
+        "AENV_STORE_URL": store.as_uri(),
+        "AENV_NET_PREFIX": PREFIX,
+        "AENV_SLOT_CIDR": CIDRS[0],
+    }
     key = "k" + secrets.token_hex(8)
     home_a, home_b = tmp_path / "a", tmp_path / "b"
     home_a.mkdir()
@@ -100,7 +106,7 @@ def test_a_node_with_an_empty_home_takes_the_templates_from_the_store(
         assert stop_node(nodes.pop()) == 0
 
         # B: another slot range, so it could run next to A
-        b_env = {**env, "AENV_SLOT_CIDR": SLOT_CIDR}
+        b_env = {**env, "AENV_SLOT_CIDR": CIDRS[1]}
         b = start_node(home_b, api_key=key, log_path=tmp_path / "b.log", extra_env=b_env)
         nodes.append(b)
         monkeypatch.setenv("E2B_API_URL", b.url)
@@ -129,5 +135,5 @@ def test_a_node_with_an_empty_home_takes_the_templates_from_the_store(
             code = stop_node(n)
             assert code == 0, n.log_tail()
         for home in (home_a, home_b):
-            assert not leaks(home), leaks(home)
+            assert not leaks(home, PREFIX), leaks(home, PREFIX)
         shutil.rmtree(tmp_path / "a", ignore_errors=True)
