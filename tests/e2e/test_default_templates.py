@@ -6,8 +6,10 @@ shares them; node B's home holds only the envd bundle. B must start
 sandboxes of `base` and `busybox` that run commands, with templates whose
 root filesystems are A's builds to the index digest, and must never build
 one: no rootfs builder runs in a node, and B's log says each came from the
-store. While B fetches, a create of a missing template answers 503 with
-Retry-After and says so, never 404. Nothing of either node may leak.
+store. While B fetches (held back, deterministically, by the test holding
+the templates' build lock that every build or fetch takes), a create of a
+missing template answers 503 with Retry-After and says so, never 404.
+Nothing of either node may leak.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from aenv.storage.rootfs import recipe
+from aenv.storage.rootfs import build_lock, recipe
 from aenv.storage.snapstore.defaults import StoredRootfs, pointer_key, rootfs_index
+from aenv.storage.templates import TemplateStore
 from tests.conftest import (
     NodeProc,
     built_home,
@@ -107,8 +110,21 @@ def test_a_node_with_an_empty_home_takes_the_templates_from_the_store(
 
         # B: another slot range, so it could run next to A
         b_env = {**env, "AENV_SLOT_CIDR": CIDRS[1]}
-        b = start_node(home_b, api_key=key, log_path=tmp_path / "b.log", extra_env=b_env)
-        nodes.append(b)
+        with build_lock(TemplateStore(home_b / "templates")):  # B's fetches wait for it
+            b = start_node(home_b, api_key=key, log_path=tmp_path / "b.log", extra_env=b_env)
+            nodes.append(b)
+            for tid in DEFAULTS:
+                r = httpx.post(
+                    f"{b.url}/sandboxes",
+                    json={"templateID": tid},
+                    headers={"X-API-Key": key},
+                    timeout=60,
+                )
+                assert r.status_code == 503, r.text
+                assert int(r.headers["Retry-After"]) >= 1
+                assert f"template '{tid}' is being fetched from the object store" in r.text
+            listed = httpx.get(f"{b.url}/templates", headers={"X-API-Key": key}, timeout=30)
+            assert not {t["templateID"] for t in listed.json()} & set(DEFAULTS)
         monkeypatch.setenv("E2B_API_URL", b.url)
         monkeypatch.setenv("E2B_SANDBOX_URL", b.url)
         monkeypatch.setenv("E2B_API_KEY", key)
