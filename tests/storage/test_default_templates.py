@@ -24,6 +24,7 @@ from aenv.storage.objstore import ObjectStore, open_object_store
 from aenv.storage.rootfs import (
     build_busybox_rootfs,
     ensure_default_templates,
+    main,
     recipe,
     store_fetcher,
 )
@@ -218,6 +219,26 @@ def test_from_store_builds_what_the_store_lacks(tmp_path: Path) -> None:
     assert any("has no build of template 'busybox'" in line for line in lines), lines
     assert any("ready (built)" in line for line in lines), lines
     assert (templates.resolve("busybox").rootfs / "bin" / "busybox").exists()
+
+
+def test_the_command_fetches_with_from_store(
+    tree: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = _store(tmp_path)
+    build, raw = _build(tree, "node-a")
+    trio.run(lambda: share_rootfs(store, build=build, tree=tree, index_raw=raw))
+    home = tmp_path / "home"
+    url = (tmp_path / "store").as_uri()
+    assert main(["--home", str(home), "--busybox-only", "--from-store", url]) == 0
+    out = capsys.readouterr().out
+    assert "template 'busybox' ready (fetched from the object store)" in out, out
+    assert main(["--home", str(home), "--busybox-only", "--from-store", url]) == 0
+    assert "template 'busybox' present" in capsys.readouterr().out  # a second run: nothing
+    # `make serve` without AENV_STORE_URL passes an empty URL: a build
+    other = tmp_path / "other-home"
+    assert main(["--home", str(other), "--busybox-only", "--from-store", ""]) == 0
+    out = capsys.readouterr().out
+    assert "ready (built)" in out and "object store" not in out, out
 
 
 @pytest.mark.parametrize(
