@@ -45,8 +45,9 @@ deps: apt venv
 bundle: venv
 	@$(PY) -m aenv.storage.bundle $(AENV_HOME)/bundle
 
+# With AENV_STORE_URL set, templates another node shared there are fetched, not built.
 templates: venv
-	@$(PY) -m aenv.storage.rootfs --home $(AENV_HOME)
+	@$(PY) -m aenv.storage.rootfs --home $(AENV_HOME) --from-store "$(AENV_STORE_URL)"
 
 serve: deps bundle templates
 	@AENV_HOME=$(AENV_HOME) $(VENV)/bin/aenv serve

@@ -102,6 +102,11 @@ class Config:
     # Object store for durable snapshots (AENV_STORE_URL): file:///dir, s3://bucket/prefix,
     # gs://..., az://...; None: file://$AENV_HOME/store; "none" turns durable storage off.
     store_url: str | None = None
+    # Whether the node puts its default templates (base, busybox) in the store for
+    # nodes that join with an empty home (AENV_SHARE_DEFAULT_TEMPLATES): "auto"
+    # does when AENV_STORE_URL names a store (not the default one in the home),
+    # "on" always (with a store), "off" never. Fetching them does not depend on it.
+    share_default_templates: str = "auto"
     # Store blobs no manifest references are deleted once older than this (seconds).
     store_gc_grace_s: float = 3600.0
     # A snapshot restored from the store starts with its layers served on demand
@@ -203,6 +208,13 @@ class Config:
         return None if self.store_url.lower() in ("none", "off") else self.store_url
 
     @property
+    def shares_default_templates(self) -> bool:
+        """Whether the node shares its default templates (`share_default_templates`)."""
+        if self.effective_store_url is None or self.share_default_templates == "off":
+            return False
+        return self.share_default_templates == "on" or self.store_url is not None
+
+    @property
     def auth_file(self) -> Path:
         return self.registry_auth_file or self.secrets_dir / "registries.json"
 
@@ -281,6 +293,13 @@ class Config:
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
         if env.get("AENV_STORE_URL"):
             kw["store_url"] = env["AENV_STORE_URL"].strip()
+        if env.get("AENV_SHARE_DEFAULT_TEMPLATES"):
+            value = env["AENV_SHARE_DEFAULT_TEMPLATES"].strip().lower()
+            if value not in ("auto", "on", "off"):
+                raise ValueError(
+                    f"AENV_SHARE_DEFAULT_TEMPLATES must be auto, on or off, not {value!r}"
+                )
+            kw["share_default_templates"] = value
         if env.get("AENV_STORE_GC_GRACE"):
             kw["store_gc_grace_s"] = float(env["AENV_STORE_GC_GRACE"])
         if env.get("AENV_LAZY_RESTORE"):

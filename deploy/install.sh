@@ -14,11 +14,14 @@
 #   2. A new virtualenv under PREFIX/releases/ with the project from SOURCE,
 #      then PREFIX/venv switched to it in one rename (the running node keeps
 #      the files it was started from; two older releases are kept).
-#   3. The envd bundle and the default templates in AENV_HOME, as `make
-#      serve` builds them (skipped when present and unchanged).
+#   3. The envd bundle in AENV_HOME, as `make serve` builds it (skipped when
+#      present and unchanged).
 #   4. /etc/aenv/aenv.env (root only, 0600): created with a new API key, or
 #      updated with the settings given as flags. An existing API key is never
-#      replaced.
+#      replaced. Then the default templates in AENV_HOME, if missing: with
+#      AENV_STORE_URL set, the builds other nodes shared there are fetched
+#      (with the store credentials of the env file), else built as `make
+#      serve` builds them.
 #   5. The systemd unit, then `systemctl enable --now` the first time, or
 #      `systemctl restart` on an upgrade: the node stops accepting, drains,
 #      writes paused sandboxes to disk and exits; with AENV_ON_STOP=keep (the
@@ -63,7 +66,9 @@ Options:
   --tls-cert F --tls-key F  AENV_TLS_CERT, AENV_TLS_KEY (PEM; both)
   --tls-ca F                AENV_TLS_CA, the CA bundle peers' certificates chain to
   --set NAME=VALUE          any other AENV_* setting
-  --no-templates            do not build the default templates (debootstrap)
+  --no-templates            do not install the default templates (fetched from the
+                            store, else built with debootstrap); the node fetches
+                            them at start if the store has them
   --allow-stop              restart even if AENV_ON_STOP=stop (stops the sandboxes)
   --root DIR                write under DIR, print system-changing commands
 EOF
@@ -160,9 +165,6 @@ fi
 
 # -- 3. node artefacts ----------------------------------------------------------------
 run "$PREFIX/venv/bin/python" -m aenv.storage.bundle "$AENV_HOME_DIR/bundle"
-if [ $TEMPLATES = 1 ]; then
-  run "$PREFIX/venv/bin/python" -m aenv.storage.rootfs --home "$AENV_HOME_DIR"
-fi
 
 # -- 4. the settings -------------------------------------------------------------------
 mkdir -p "$ETC" "$ROOT$AENV_HOME_DIR"
@@ -220,6 +222,21 @@ for name in "${!SET[@]}"; do
 done
 if [ -n "$(get_setting AENV_CLUSTER_SECRET)" ] && [ -z "$(get_setting AENV_STORE_URL)" ]; then
   die "a cluster needs a store every node shares: pass --store-url (s3://..., gs://..., az://..., file:///shared/dir)"
+fi
+
+# -- 4b. the default templates: from the store when it has them, else built -------------
+if [ $TEMPLATES = 1 ]; then
+  store_url=$(get_setting AENV_STORE_URL)
+  from_store=()
+  [ -z "$store_url" ] || from_store=(--from-store "$store_url")
+  (
+    # the store's credentials, as the node reads them from the env file (exported,
+    # never on a command line: `run` prints its arguments)
+    while IFS= read -r line; do
+      case "$line" in AWS_*=*|GOOGLE_*=*|AZURE_*=*) export "${line?}" ;; esac
+    done <"$ENV_FILE"
+    run "$PREFIX/venv/bin/python" -m aenv.storage.rootfs --home "$AENV_HOME_DIR" "${from_store[@]}"
+  )
 fi
 
 # -- 5. the unit, and (re)start ----------------------------------------------------------

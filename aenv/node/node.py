@@ -15,7 +15,8 @@ runs the rest, each with its own restart policy: the memory watcher and the
 host network's watchdog, the pool fillers (`aenv.node.pool`), template
 warm-ups (`aenv.node.warm`), builds (`aenv.node.builds`), uploads, template
 shares, layer copies and the store's garbage collection
-(`aenv.node.durable`), and one-shot jobs: the second half of a fork
+(`aenv.node.durable`), the default templates' shares and fetches
+(`aenv.node.defaults`), and one-shot jobs: the second half of a fork
 (`aenv.node.forks`) or a snapshot (`aenv.node.snapshots.record_capture`)
 after the sandbox's own capture, and background calls (`start_background`).
 None of them escalates: a child that keeps failing is given up on, logged,
@@ -58,6 +59,7 @@ from aenv.kit.supervisor import (
 )
 from aenv.node import forks, pressure
 from aenv.node.builds import Builds
+from aenv.node.defaults import DefaultTemplates
 from aenv.node.durable import Durable
 from aenv.node.host import Host, HttpEnvd, WritableRoots
 from aenv.node.pool import Pool
@@ -181,6 +183,9 @@ class Node:
             templates=templates,
             images=images,
             services=services,
+        )
+        self.defaults = DefaultTemplates(  # base and busybox via the store
+            config=config, templates=templates, store=self.durable.store, services=services
         )
         self.warmer = Warmer(self.snapshots, self, services, enabled=config.warm_templates)
         self.pool = Pool(self.snapshots, self, services, size=config.pool_size)
@@ -462,7 +467,8 @@ class Node:
             # Docker Hub lookup): here, else one another node put in the object
             # store. An image reference has a tag, digest or path.
             if not any(c in name for c in "/:@"):
-                shared = await self.durable.find_template(name)
+                # a default template: fetched meanwhile, or being fetched (503)?
+                shared = await self.defaults.lookup(name) or await self.durable.find_template(name)
                 if shared is None:
                     raise
                 template = shared
@@ -913,6 +919,7 @@ async def open_node_on(
         await node.durable.serve_lazy_layers()  # before anything mounts them
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
+        await node.defaults.start()  # default templates shared, or fetched if missing
         if config.hibernate_memory_low_pct > 0:
             services.start_soon(
                 "memory-pressure",

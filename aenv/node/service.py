@@ -39,6 +39,7 @@ from aenv.images.registry import (
 from aenv.images.store import PullError
 from aenv.kit import mailbox
 from aenv.kit.asgiforward import ForwardingClient
+from aenv.node.defaults import TemplateFetching
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.sandbox import (
     ExtendTimeout,
@@ -390,6 +391,8 @@ class LocalSandboxService:
             raise Failed(f"snapshot {req.template!r} cannot be used: {e}") from None
         except TemplateNotFound:
             raise NotFound(f"template {req.template!r} not found") from None
+        except TemplateFetching as e:
+            raise Unavailable(str(e), retry_after=e.retry_after) from None
         except InvalidName as e:
             raise BadRequest(str(e)) from None
         except PullError as e:

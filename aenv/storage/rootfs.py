@@ -8,7 +8,11 @@ made of Debian's static busybox alone: no libc, no bash. Both are built in a
 hidden directory next to their destination and renamed into place, so a
 half-built root filesystem is never installed. Building needs root and (for
 `base`) the Debian mirror; `python -m aenv.storage.rootfs --home DIR` installs
-both into `DIR/templates` if they are missing.
+both into `DIR/templates` if they are missing. With `--from-store URL`, a
+template the object store holds (shared by a node of the same `recipe`:
+aenv.storage.snapstore.defaults) is fetched from it instead of built, and
+only one the store lacks is built. Building or fetching holds the
+templates' build lock (`build_lock`), also taken by a node fetching one.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import ipaddress
+import json
 import os
+import platform
 import secrets
 import shutil
 import subprocess
@@ -29,6 +36,10 @@ from pathlib import Path
 from aenv.storage.templates import TemplateNotFound, TemplateStore
 
 Progress = Callable[[str], None]
+# What the fetch hook of `ensure_default_templates` returns for a template it
+# installed from the store into the given directory: (cpu_count, memory_mb,
+# index digest); None when the store has no build of it.
+Fetched = tuple[int, int, str]
 
 BASE_PACKAGES: tuple[str, ...] = (
     "bash",
@@ -80,6 +91,22 @@ _STRIP = (
 )
 _BUILD_PREFIX = ".build-"
 _BUILD_LOCK = ".build.lock"
+# Bumped whenever a builder below changes what it makes: nodes then stop taking
+# builds of the old recipe from the store (`recipe`).
+RECIPE_VERSION = 1
+RESOURCES = {"base": (2, 512), "busybox": (1, 256)}  # cpu_count, memory_mb
+
+
+def recipe(template_id: str) -> str:
+    """What this version of the builder makes for a default template on this
+    machine's architecture: a build in the store is taken only by nodes whose
+    recipe is the same (`aenv.storage.snapstore.defaults`)."""
+    what: dict[str, object] = {"version": RECIPE_VERSION, "template": template_id}
+    if template_id == "base":
+        what.update(suite=DEFAULT_SUITE, packages=sorted(BASE_PACKAGES), user=USER_NAME)
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+    arch = platform.machine().lower() or "unknown"
+    return f"{arch}-{digest[:16]}"
 
 
 def _say(progress: Progress | None, line: str) -> None:
@@ -328,7 +355,8 @@ def _build_busybox(root: Path, busybox: Path) -> None:
 
 
 @contextlib.contextmanager
-def _build_lock(store: TemplateStore) -> Iterator[None]:
+def build_lock(store: TemplateStore) -> Iterator[None]:
+    """Held while a default template is built or fetched into `store` (blocking)."""
     fd = os.open(store.root / _BUILD_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -344,14 +372,37 @@ def _has(store: TemplateStore, template_id: str) -> bool:
         return False
 
 
+def remove_leftover_builds(store: TemplateStore, progress: Progress | None = None) -> None:
+    """Remove what a build or fetch that stopped half-way left (hold `build_lock`)."""
+    for leftover in store.root.glob(f"{_BUILD_PREFIX}*"):
+        _say(progress, f"removing leftover build {leftover}")
+        _remove_tree(leftover)
+
+
+def staging_dir(store: TemplateStore, template_id: str) -> Path:
+    """A new directory to build or fetch a template in (hold `build_lock`): removed
+    as a leftover by the next `ensure_default_templates` if left behind."""
+    staging = store.root / f"{_BUILD_PREFIX}{template_id}-{secrets.token_hex(4)}"
+    staging.mkdir(mode=0o700)
+    return staging
+
+
 def ensure_default_templates(
-    store: TemplateStore, *, progress: Progress | None = None, with_base: bool = True
+    store: TemplateStore,
+    *,
+    progress: Progress | None = None,
+    with_base: bool = True,
+    fetch: Callable[[str, Path], Fetched | None] | None = None,
 ) -> None:
-    """Install the `busybox` test template and (unless told not to) `base`, if absent."""
-    with _build_lock(store):
-        for leftover in store.root.glob(f"{_BUILD_PREFIX}*"):
-            _say(progress, f"removing leftover build {leftover}")
-            _remove_tree(leftover)
+    """Install the `busybox` test template and (unless told not to) `base`, if absent.
+
+    With `fetch`, each absent template is first asked of it (the object
+    store: `fetch(template_id, dest)` fills the new directory `dest`, or
+    returns None when the store has no build); only one it cannot give is
+    built.
+    """
+    with build_lock(store):
+        remove_leftover_builds(store, progress)
         wanted: list[tuple[str, Callable[[Path], None]]] = [
             ("busybox", build_busybox_rootfs),
         ]
@@ -361,26 +412,75 @@ def ensure_default_templates(
             if _has(store, template_id):
                 _say(progress, f"template {template_id!r} present")
                 continue
-            staging = store.root / f"{_BUILD_PREFIX}{template_id}-{secrets.token_hex(4)}"
-            staging.mkdir(mode=0o700)
+            staging = staging_dir(store, template_id)
             try:
                 started = time.monotonic()
-                _say(progress, f"building template {template_id!r}")
-                build(staging / "rootfs")
+                cpu_count, memory_mb = RESOURCES[template_id]
+                fetched = None
+                if fetch is not None:
+                    _say(progress, f"looking for template {template_id!r} in the object store")
+                    fetched = fetch(template_id, staging / "rootfs")
+                if fetched is not None:
+                    cpu_count, memory_mb, _digest = fetched
+                    how = "fetched from the object store"
+                else:
+                    if (staging / "rootfs").exists():
+                        _remove_tree(staging / "rootfs")
+                    _say(progress, f"building template {template_id!r}")
+                    build(staging / "rootfs")
+                    how = "built"
                 template = store.add(
                     template_id=template_id,
                     rootfs_dir=staging / "rootfs",
                     aliases=(template_id,),
-                    cpu_count=2 if template_id == "base" else 1,
-                    memory_mb=512 if template_id == "base" else 256,
+                    cpu_count=cpu_count,
+                    memory_mb=memory_mb,
                 )
+                if fetched is not None:
+                    store.record_rootfs_index(template_id, fetched[2])
                 _say(
                     progress,
-                    f"template {template_id!r} ready: {template.disk_size_mb} MiB "
+                    f"template {template_id!r} ready ({how}): {template.disk_size_mb} MiB "
                     f"in {time.monotonic() - started:.1f} s",
                 )
             finally:
                 _remove_tree(staging)
+
+
+def store_fetcher(
+    url: str, *, progress: Progress | None = None
+) -> Callable[[str, Path], Fetched | None]:
+    """The `fetch` hook of `ensure_default_templates` for the object store at `url`:
+    a store that cannot be reached, or whose build cannot be fetched, is reported
+    and the template built instead."""
+    import trio
+
+    from aenv.storage.objstore import StoreError, open_object_store
+    from aenv.storage.snapstore import SnapshotUnavailable
+    from aenv.storage.snapstore.defaults import fetch_rootfs, find_rootfs
+
+    async def run(template_id: str, dest: Path) -> Fetched | None:
+        store = open_object_store(url)
+        found = await find_rootfs(store, template_id, recipe(template_id))
+        if found is None:
+            _say(progress, f"the object store has no build of template {template_id!r}")
+            return None
+        _say(
+            progress,
+            f"fetching template {template_id!r} ({found.disk_size_mb} MiB, shared by "
+            f"{found.shared_by}) from the object store",
+        )
+        await fetch_rootfs(store, found, dest)
+        return found.cpu_count, found.memory_mb, found.index
+
+    def fetch(template_id: str, dest: Path) -> Fetched | None:
+        try:
+            return trio.run(run, template_id, dest)
+        except (StoreError, SnapshotUnavailable, OSError, ValueError) as exc:
+            _say(progress, f"cannot fetch template {template_id!r} from the object store: {exc}")
+            return None
+
+    return fetch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -392,11 +492,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--busybox-only", action="store_true", help="skip the Debian `base` template"
     )
+    parser.add_argument(
+        "--from-store",
+        metavar="URL",
+        default="",
+        help="fetch templates this object store holds (AENV_STORE_URL) instead of building "
+        "them; build only those it lacks (empty, none or off: build)",
+    )
     args = parser.parse_args(argv)
     store = TemplateStore(args.home / "templates")
-    ensure_default_templates(
-        store, progress=lambda line: print(line, flush=True), with_base=not args.busybox_only
-    )
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
+    url = args.from_store.strip()
+    fetch = None
+    if url and url.lower() not in ("none", "off"):
+        fetch = store_fetcher(url, progress=progress)
+    ensure_default_templates(store, progress=progress, with_base=not args.busybox_only, fetch=fetch)
     return 0
 
 

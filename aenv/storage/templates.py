@@ -42,6 +42,9 @@ METADATA_FILE = "template.json"
 # In a template's directory while it is still to be put in the object store
 # (aenv.node.durable): a node that stops before the share finishes resumes it.
 SHARE_PENDING_FILE = "share-pending"
+# In a default template's directory: the digest of its root filesystem's layer
+# index (aenv.storage.snapstore.defaults), its content identity, computed once.
+ROOTFS_INDEX_FILE = "rootfs-index"
 ROOTFS_DIR = "rootfs"
 METADATA_VERSION = 1
 # Version of the envd API reported for templates until envd states its own.
@@ -654,6 +657,19 @@ class TemplateStore:
     def share_pending(self) -> Sequence[Template]:
         """The templates whose share was asked for and has not finished."""
         return [t for t in self.list() if (self.root / t.template_id / SHARE_PENDING_FILE).exists()]
+
+    def rootfs_index(self, template_id: str) -> str | None:
+        """The recorded digest of the template's root filesystem index, if any."""
+        try:
+            raw = (self.root / check_name(template_id) / ROOTFS_INDEX_FILE).read_text()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return raw.strip() or None
+
+    def record_rootfs_index(self, template_id: str, digest: str) -> None:
+        """Record the digest of the template's root filesystem index (its content)."""
+        with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+            write_atomic(self.root / check_name(template_id) / ROOTFS_INDEX_FILE, digest.encode())
 
     def delete(self, name_or_id: str) -> None:
         """Remove a template (by ID or alias) and its root filesystem."""

@@ -5,6 +5,8 @@
 #   missing (as `make serve` does; a second start finds them and builds
 #   nothing). AENV_TEMPLATES=busybox skips the Debian `base` template, which
 #   debootstrap downloads (minutes, needs Debian's archive); none skips both.
+#   With AENV_STORE_URL set, a template another node shared in that store is
+#   fetched from it instead (seconds), and only one the store lacks is built.
 # - AENV_PEERS_DNS=name:port (a Kubernetes headless Service) is resolved to
 #   every address behind it, this node's own left out, and they become
 #   AENV_CLUSTER_PEERS (with the scheme of AENV_ADVERTISE_URL). It waits up
@@ -47,6 +49,7 @@ case "${AENV_TEMPLATES:-all}" in
 esac
 "$VENV/bin/python" -m aenv.storage.bundle "$AENV_HOME/bundle"
 if [ ${#templates[@]} -gt 0 ]; then
+  if [ -n "${AENV_STORE_URL:-}" ]; then templates+=(--from-store "$AENV_STORE_URL"); fi
   "$VENV/bin/python" -m aenv.storage.rootfs "${templates[@]}"
 fi
 exec "$VENV/bin/aenv" serve --json-logs "$@"

@@ -447,6 +447,9 @@ class Lab:
                 "AENV_EGRESS_CAP": f"{INTERNET_IP}/32",
                 "AENV_REGISTRY_TIMEOUT": "3",
                 "AENV_ON_STOP": "stop",
+                # a lab with bare homes shares the default templates through its
+                # store; the others keep each node's (no 262 MB upload per lab)
+                "AENV_SHARE_DEFAULT_TEMPLATES": "auto" if self._bare else "off",
                 **(
                     {  # the nodes form one cluster
                         "AENV_CLUSTER_PEERS": ",".join(u for j, u in enumerate(urls) if j != i),

@@ -25,9 +25,18 @@ REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "deploy" / "install.sh"
 
 
-def _install(root: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+def _install(
+    root: Path, *args: str, ok: bool = True, templates: bool = False
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        ["bash", str(INSTALL), "--root", str(root), "--no-templates", *args],
+        [
+            "bash",
+            str(INSTALL),
+            "--root",
+            str(root),
+            *([] if templates else ["--no-templates"]),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -80,6 +89,24 @@ def test_a_first_install_makes_a_key_and_enables_the_node(tmp_path: Path) -> Non
     assert plan[-1] == "systemctl enable --now aenv"
     unit = (tmp_path / "etc/systemd/system/aenv.service").read_text()
     assert "ExecStart=/opt/aenv/venv/bin/aenv serve" in unit
+
+
+def test_templates_come_from_the_store_when_one_is_configured(tmp_path: Path) -> None:
+    alone = _planned(_install(tmp_path / "alone", templates=True))
+    assert "/opt/aenv/venv/bin/python -m aenv.storage.rootfs --home /var/lib/aenv" in alone
+    etc = tmp_path / "joining" / "etc" / "aenv"
+    etc.mkdir(parents=True)
+    (etc / "aenv.env").write_text("AWS_SECRET_ACCESS_KEY=not-to-be-printed\n")
+    done = _install(tmp_path / "joining", "--store-url=s3://bucket/aenv", templates=True)
+    plan = _planned(done)
+    want = (
+        "/opt/aenv/venv/bin/python -m aenv.storage.rootfs --home /var/lib/aenv "
+        "--from-store s3://bucket/aenv"
+    )
+    assert want in plan
+    # after the settings (the store's credentials are read from them), before the start
+    assert plan.index(want) < plan.index("systemctl enable --now aenv")
+    assert "not-to-be-printed" not in done.stdout + done.stderr
 
 
 def test_running_it_again_upgrades_in_place_and_keeps_the_key(tmp_path: Path) -> None:
@@ -151,6 +178,8 @@ def test_the_entrypoint_finds_peers_by_dns_and_execs_serve(tmp_path: Path) -> No
         # localhost resolves to 127.0.0.1 here; this node is 10.0.0.5
         "AENV_PEERS_DNS": "localhost:8000",
         "AENV_ADVERTISE_URL": "https://10.0.0.5:8000",
+        # templates another node shared there are fetched, not built
+        "AENV_STORE_URL": "s3://bucket/aenv",
     }
     done = subprocess.run(
         ["bash", str(REPO / "deploy/container/entrypoint.sh"), "--log-level", "debug"],
@@ -164,7 +193,8 @@ def test_the_entrypoint_finds_peers_by_dns_and_execs_serve(tmp_path: Path) -> No
     home = tmp_path / "home"
     assert lines == [
         f"python -m aenv.storage.bundle {home}/bundle peers=https://127.0.0.1:8000",
-        f"python -m aenv.storage.rootfs --home {home} --busybox-only peers=https://127.0.0.1:8000",
+        f"python -m aenv.storage.rootfs --home {home} --busybox-only --from-store "
+        "s3://bucket/aenv peers=https://127.0.0.1:8000",
         "aenv serve --json-logs --log-level debug peers=https://127.0.0.1:8000",
     ]
     # the node itself is never its own peer: alone, it starts a cluster

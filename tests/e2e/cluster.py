@@ -61,6 +61,8 @@ class Cluster:
                 "AENV_CLUSTER_SECRET": secret or SECRET,
                 "AENV_CLUSTER_PEERS": ",".join(peers),
                 "AENV_STORE_URL": f"file://{self.root / 'store'}",
+                # the built templates stay on each node (tests/e2e/test_default_templates.py)
+                "AENV_SHARE_DEFAULT_TEMPLATES": "off",
             },
         )
         self.nodes[name] = n

@@ -80,6 +80,7 @@ class Nodes:
             **self.s3.env(),
             "AENV_STORE_URL": self.s3.url(self.prefix),
             "AENV_STORE_GC_GRACE": "0",
+            "AENV_SHARE_DEFAULT_TEMPLATES": "off",  # not what these tests are about
             **extra,
         }
         n = start_node(home, api_key=self.key, log_path=home / "node.log", extra_env=env)

@@ -59,6 +59,7 @@ class Nodes:
             "AENV_SLOT_CIDR": "10.228.0.0/16",
             **self.s3.env(),
             "AENV_STORE_URL": self.s3.url(self.prefix),
+            "AENV_SHARE_DEFAULT_TEMPLATES": "off",  # not what these tests are about
             **env,
         }
         key = "k" + secrets.token_hex(8)

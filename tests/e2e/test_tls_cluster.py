@@ -164,6 +164,7 @@ def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSCluster
                     "AENV_CLUSTER_SECRET": SECRET,
                     "AENV_CLUSTER_PEERS": c.nodes["node-a"].url if i else "",
                     "AENV_STORE_URL": f"file://{root / 'store'}",
+                    "AENV_SHARE_DEFAULT_TEMPLATES": "off",
                 },
             )
             c.proxies[name] = ConnectProxy(c.port(name))
