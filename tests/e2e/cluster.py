@@ -61,7 +61,7 @@ class Cluster:
                 "AENV_CLUSTER_SECRET": secret or SECRET,
                 "AENV_CLUSTER_PEERS": ",".join(peers),
                 "AENV_STORE_URL": f"file://{self.root / 'store'}",
-                # the built templates stay on each node (tests/e2e/test_default_templates.py)
+                # the built templates stay on each node (tests/e2e/test_templates_from_store.py)
                 "AENV_SHARE_DEFAULT_TEMPLATES": "off",
             },
         )
