@@ -234,6 +234,16 @@ class ChildHandle(Generic[T]):
     def done(self) -> bool:
         return self._done.is_set()
 
+    def busy_or_resting(self, rest_s: float) -> bool:
+        """Whether a new child for the same work should wait: this one still runs
+        (or backs off between restarts), or it was given up on less than `rest_s`
+        seconds ago."""
+        if not self.done:
+            return True
+        if self.state is not ChildState.FAILED or self.ended_at is None:
+            return False
+        return trio.current_time() - self.ended_at < rest_s
+
     def request_stop(self, reason: str, *, grace_s: float | None = None) -> None:
         """Ask the child to stop (no more restarts) and cancel it if it is still
         running `grace_s` seconds from now (default: its own grace period). A

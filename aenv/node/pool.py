@@ -27,7 +27,6 @@ import trio
 
 from aenv.kit.supervisor import (
     ChildHandle,
-    ChildState,
     RestartPolicy,
     StopToken,
     Strategy,
@@ -96,12 +95,8 @@ class Pool:
     def _refill(self, template: Template) -> None:
         key = snapshot_name(template)
         filler = self._fillers.get(key)
-        if filler is not None:
-            if not filler.done:
-                return  # filling (or backing off)
-            gave_up_at = filler.ended_at if filler.state is ChildState.FAILED else None
-            if gave_up_at is not None and trio.current_time() - gave_up_at < GIVE_UP_FOR_S:
-                return
+        if filler is not None and filler.busy_or_resting(GIVE_UP_FOR_S):
+            return  # filling (or backing off), or given up on lately
         self._fillers[key] = self._services.start_soon(
             f"pool {key}",
             functools.partial(self._fill, template),

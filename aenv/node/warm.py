@@ -23,11 +23,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import trio
-
 from aenv.kit.supervisor import (
     ChildHandle,
-    ChildState,
     RestartPolicy,
     StopToken,
     Strategy,
@@ -76,12 +73,8 @@ class Warmer:
     def _start(self, template: Template) -> None:
         name = snapshot_name(template)
         job = self._jobs.get(name)
-        if job is not None:
-            if not job.done:
-                return  # warming up (or backing off)
-            gave_up_at = job.ended_at if job.state is ChildState.FAILED else None
-            if gave_up_at is not None and trio.current_time() - gave_up_at < RETRY_AFTER_S:
-                return
+        if job is not None and job.busy_or_resting(RETRY_AFTER_S):
+            return  # warming up (or backing off), or given up on lately
         self._jobs[name] = self._services.start_soon(
             f"warm {name}",
             functools.partial(self._warm, template),
