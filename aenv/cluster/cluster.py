@@ -20,8 +20,9 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aenv.cluster.leases import Ownership, OwnershipError
 from aenv.cluster.router import Peer
@@ -94,6 +95,18 @@ async def measure_load(node: Node, *, draining: bool = False) -> placement.NodeL
     )
 
 
+class Mover(Protocol):
+    """What the cluster view needs of `aenv.cluster.moves.Moves`."""
+
+    async def adopt(self, sid: str, *, fence: bool = True) -> object:
+        """Take up paused-durable sandbox `sid` here (raises if it cannot move)."""
+        ...
+
+    def unpark(self, sid: str) -> AbstractAsyncContextManager[Any]:
+        """Around a resume of `sid` here: its claim says running first."""
+        ...
+
+
 class Cluster:
     """`ClusterView` over this node and the members it knows."""
 
@@ -114,6 +127,7 @@ class Cluster:
         self._rng = rng or random.Random()
         self.draining = False
         self.ownership: Ownership | None = None  # set once the node's lease is live
+        self.moves: Mover | None = None  # with ownership: sandboxes moving between nodes
         # creates this node placed lately, by node: their load is not gossiped yet
         self._placed: dict[str, collections.deque[tuple[float, int]]] = {}
 
@@ -125,7 +139,11 @@ class Cluster:
             self.node.get(sandbox_id)
         except SandboxNotFound:
             return sandbox_id in self.node.lost  # lost here: this node says why
-        return True
+        # Here but not claimed by this node: new (claimed within seconds), or a copy
+        # taken back at a restart that another node took over meanwhile (stopped at
+        # the next reconcile): `owner_of` asks the store.
+        own = self.ownership
+        return own is None or not own.may_serve() or own.grant(sandbox_id) is not None
 
     def not_serving(self) -> str | None:
         own = self.ownership
@@ -161,6 +179,39 @@ class Cluster:
         if m is not None:
             return m.as_peer()
         return Peer(view.claim.node, view.owner_url, "alive" if view.owner_url else "dead")
+
+    async def adopt(self, sandbox_id: str) -> str | None:
+        """Take up here a paused sandbox whose node is dead or has left: None once it
+        is here, else why not."""
+        if self.moves is None:
+            return "this node has no object store to restore it from"
+        try:
+            await self.moves.adopt(sandbox_id, fence=True)
+        except Exception as e:
+            log.warning("sandbox %s cannot be taken up here: %s", sandbox_id, e)
+            return str(e) or repr(e)
+        return None
+
+    async def moved_to(self, sandbox_id: str) -> Peer | None:
+        """The live node a sandbox this node made (its tag is ours) has moved to, if
+        it is not here: a call forwarded here by its tag goes on there."""
+        try:
+            tag = owner_tag(sandbox_id)
+        except InvalidName:
+            return None
+        if tag != self.tag or self.ownership is None or self.runs_here(sandbox_id):
+            return None
+        try:
+            view = await self.ownership.lookup(sandbox_id)
+        except (StoreError, OwnershipError, ValueError) as e:
+            log.warning("looking up the owner of sandbox %s failed: %s", sandbox_id, e)
+            return None
+        if view is None or view.claim.released or view.claim.node == self.node_id:
+            return None
+        m = {m.id: m for m in self._members()}.get(view.claim.node)
+        if m is None or m.state not in ("alive", "suspect"):
+            return None
+        return m.as_peer()
 
     def placed(self, node_id: str, body: bytes) -> None:
         """A create this node placed went to `node_id`: count it in that node's

@@ -76,6 +76,15 @@ class ClusterView(Protocol):
         """Nodes to try for a create, best first (this node among them)."""
         ...
 
+    async def adopt(self, sandbox_id: str) -> str | None:
+        """Take up here a paused sandbox whose node is dead or has left: None once
+        it is here, else why not."""
+        ...
+
+    async def moved_to(self, sandbox_id: str) -> Peer | None:
+        """The node a sandbox this node made has moved to (None: not moved)."""
+        ...
+
     def placed(self, node_id: str, body: bytes) -> None:
         """A create went to `node_id` (it counts in that node's load for a while)."""
         ...
@@ -104,6 +113,16 @@ class ClusterRouter:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method = scope.get("method", "GET")
         decision = classify(method, scope["path"], headers, self.domain)
+        if isinstance(decision, Local) and HOP_HEADER in headers:
+            # forwarded here by the sandbox's tag: it may have moved on (a drain)
+            unhopped = {k: v for k, v in headers.items() if k != HOP_HEADER}
+            target = classify(method, scope["path"], unhopped, self.domain)
+            if isinstance(target, ToSandbox):
+                moved = await self.cluster.moved_to(target.sandbox_id)
+                if moved is not None:
+                    self.counter(scope["type"])
+                    await self._forward(moved, scope, receive, send)
+                    return
         if isinstance(decision, Local):
             await self.app(scope, receive, send)
         elif isinstance(decision, ToSandbox):
@@ -130,6 +149,19 @@ class ClusterRouter:
                 f"sandbox {sandbox_id} runs on node {owner.id}, which is {owner.state} "
                 "(unreachable); try again once it is back"
             )
+            if _resumes(scope, sandbox_id):
+                # a paused sandbox whose copy is in the store resumes here
+                why = await self.cluster.adopt(sandbox_id)
+                if why is None:
+                    await self.app(scope, receive, send)
+                    return
+                moved = await self.cluster.owner_of(sandbox_id)
+                if moved is not None and moved.state in ("alive", "suspect"):
+                    # another node took it up first (its own adoption)
+                    self.counter(scope["type"])
+                    await self._forward(moved, scope, receive, send)
+                    return
+                message = f"{message} ({why})"
             if scope["type"] == "http":
                 await send_error(send, 503, message, sandboxId=sandbox_id)
             else:
@@ -215,6 +247,18 @@ class ClusterRouter:
             await send({"type": "http.response.body", "body": resp.content})
             return
         await send_error(send, 503, last_error)
+
+
+def _resumes(scope: Scope, sandbox_id: str) -> bool:
+    """Whether the request connects to or resumes the sandbox (REST)."""
+    if scope["type"] != "http" or scope.get("method") != "POST":
+        return False
+    path = str(scope["path"]).rstrip("/")
+    return any(
+        path == f"{base}/sandboxes/{sandbox_id}/{verb}"
+        for base in ("", "/v2")
+        for verb in ("connect", "resume")
+    )
 
 
 def _forwarded_headers(scope: Scope, node_id: str) -> list[tuple[str, str]]:
