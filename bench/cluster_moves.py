@@ -55,8 +55,8 @@ from tests.cluster.lab import Lab, LabNode, open_lab  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 COUNTER = (
-    "sh -c 'echo $$ > /tmp/pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; "
-    "sleep 0.1; done' >/dev/null 2>&1 &"
+    "sh -c 'echo $$ > /tmp/pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; "
+    "mv /tmp/count.new /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &"
 )
 ADOPTED = re.compile(r"adopted paused sandbox (\S+) from node \S+ in ([0-9.]+)s")
 

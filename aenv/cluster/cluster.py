@@ -172,6 +172,8 @@ class Cluster:
             view = await self.ownership.lookup(sandbox_id)
         except (StoreError, OwnershipError, ValueError) as e:
             log.warning("looking up the owner of sandbox %s failed: %s", sandbox_id, e)
+            if self._unclaimed_here(sandbox_id):  # a copy here: not served unless ours
+                return Peer(self.node_id, "", "unknown")
             return hinted
         if view is None or view.claim.released or view.claim.node == self.node_id:
             return hinted
@@ -193,25 +195,42 @@ class Cluster:
         return None
 
     async def moved_to(self, sandbox_id: str) -> Peer | None:
-        """The live node a sandbox this node made (its tag is ours) has moved to, if
-        it is not here: a call forwarded here by its tag goes on there."""
+        """For a call another node forwarded here: the node that holds the sandbox
+        now if it is not this one, though this node made it (its tag is ours: it
+        moved away) or holds a copy of it that is not this node's (a copy taken
+        back at a restart after another node took it over). A `Peer` whose state is
+        `dead` or `unknown` (the store did not answer) for such a copy: it must
+        not be served here. None: serve it here (or answer that it is not here)."""
         try:
             tag = owner_tag(sandbox_id)
         except InvalidName:
             return None
-        if tag != self.tag or self.ownership is None or self.runs_here(sandbox_id):
+        copy = self._unclaimed_here(sandbox_id)
+        if not copy and (tag != self.tag or self.ownership is None or self.runs_here(sandbox_id)):
             return None
+        assert self.ownership is not None
         try:
             view = await self.ownership.lookup(sandbox_id)
         except (StoreError, OwnershipError, ValueError) as e:
             log.warning("looking up the owner of sandbox %s failed: %s", sandbox_id, e)
-            return None
+            return Peer(self.node_id, "", "unknown") if copy else None
         if view is None or view.claim.released or view.claim.node == self.node_id:
-            return None
+            return None  # new (not claimed yet), or this node's claim (taken up soon)
         m = {m.id: m for m in self._members()}.get(view.claim.node)
-        if m is None or m.state not in ("alive", "suspect"):
-            return None
-        return m.as_peer()
+        if m is not None and m.state in ("alive", "suspect"):
+            return m.as_peer()
+        return Peer(view.claim.node, view.owner_url, "dead") if copy else None
+
+    def _unclaimed_here(self, sandbox_id: str) -> bool:
+        """This node has the sandbox but no claim on it while it may serve."""
+        own = self.ownership
+        if own is None or not own.may_serve() or own.grant(sandbox_id) is not None:
+            return False
+        try:
+            self.node.get(sandbox_id)
+        except SandboxNotFound:
+            return False
+        return True
 
     def placed(self, node_id: str, body: bytes) -> None:
         """A create this node placed went to `node_id`: count it in that node's

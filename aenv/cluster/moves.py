@@ -244,8 +244,10 @@ class Moves:
             log.warning("deleting the paused copy of %s failed: %s", sid, exc)
 
     async def _sweep_local_copies(self, local: Mapping[str, SandboxActor]) -> None:
-        """Local records of copies whose sandbox is gone from here (moved away while
-        this node was down, or handed over): only this node's record goes."""
+        """Local records of copies whose sandbox is gone from here and that no entry
+        above tracks (an earlier process of this node made them): when another node
+        holds the sandbox (it moved), only this node's record goes; when no node does
+        (it was deleted), the copy goes from the store too."""
         kept = {c.snapshot_id for c in self._durable.values()}
         kept |= {c.snapshot_id for cs in self._stale.values() for c in cs}
         for doc in await self.node.snapshots.list():
@@ -254,7 +256,11 @@ class Moves:
             sid = str(doc.get("sourceSandboxID"))
             if sid in local or sid in self._copying or sid in self._adopting:
                 continue
-            await self.node.snapshots.delete(str(doc["snapshotID"]), local_only=True)
+            view = await self.ownership.lookup(sid)
+            if view is not None and view.claim.node == self.ownership.node:
+                continue  # ours in the store but not here: being adopted, or stuck
+            everywhere = view is None or view.claim.released
+            await self.node.snapshots.delete(str(doc["snapshotID"]), local_only=not everywhere)
 
     async def _copy(self, sid: str) -> None:
         try:
@@ -299,6 +305,10 @@ class Moves:
         self._resuming[sid] = self._resuming.get(sid, 0) + 1
         try:
             grant = self.ownership.grant(sid)
+            if grant is None and self._paused_here(sid):
+                # a copy taken back at a restart that is not this node's (any more):
+                # never resumed here; the next reconcile stops it or claims it
+                raise MoveError(f"node {self.ownership.node} holds no claim on sandbox {sid} now")
             if grant is not None and grant.state == PAUSED_DURABLE:
                 try:
                     await self.ownership.update(sid, state="running")
@@ -313,6 +323,12 @@ class Moves:
             if not self._resuming[sid]:
                 del self._resuming[sid]
                 self.poke()
+
+    def _paused_here(self, sid: str) -> bool:
+        try:
+            return self.node.get(sid).state is not lc.State.RUNNING
+        except SandboxNotFound:
+            return False
 
     # -- adopting -----------------------------------------------------------------------
 
@@ -330,9 +346,12 @@ class Moves:
         Returns the sandbox, paused. `MoveError` if it cannot move."""
         lock = self._locks.setdefault(sid, trio.Lock())
         async with lock:
-            with contextlib.suppress(SandboxNotFound):
-                return self.node.get(sid)
             own = self.ownership
+            with contextlib.suppress(SandboxNotFound):
+                here = self.node.get(sid)
+                if own.grant(sid) is not None:
+                    return here
+                raise MoveError(f"a copy of sandbox {sid} that is not this node's is here")
             view = await own.lookup(sid)
             if view is None or view.claim.released:
                 raise MoveError(f"sandbox {sid} is not claimed by any node")
@@ -362,7 +381,7 @@ class Moves:
                     t0 = trio.current_time()
                     actor = await self.node.adopt_paused(doc)
                 except SandboxConflict:
-                    return self.node.get(sid)
+                    raise MoveError(f"a copy of sandbox {sid} is already on this node") from None
                 except Exception as exc:
                     # the claim stays this node's, its sandbox not here: kept (not
                     # released) until an adoption succeeds

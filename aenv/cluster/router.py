@@ -119,10 +119,15 @@ class ClusterRouter:
             target = classify(method, scope["path"], unhopped, self.domain)
             if isinstance(target, ToSandbox):
                 moved = await self.cluster.moved_to(target.sandbox_id)
-                if moved is not None:
+                if moved is not None and moved.state in ("alive", "suspect"):
                     self.counter(scope["type"])
                     await self._forward(moved, scope, receive, send)
                     return
+                if moved is not None:
+                    await self._refuse(target.sandbox_id, moved, scope, send)
+                    return
+                await self._here(scope, receive, send, target.sandbox_id)
+                return
         if isinstance(decision, Local):
             await self.app(scope, receive, send)
         elif isinstance(decision, ToSandbox):
@@ -130,19 +135,42 @@ class ClusterRouter:
         elif isinstance(decision, Create):
             await self._create(scope, receive, send)
 
+    async def _here(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str) -> None:
+        """Serve a call about a sandbox here, unless this node may not serve now."""
+        why = self.cluster.not_serving() if self.cluster.runs_here(sandbox_id) else None
+        if why is None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await send_error(send, 503, why, sandboxId=sandbox_id)
+        else:
+            await send({"type": "websocket.close", "code": 1011, "reason": why[:120]})
+
+    async def _refuse(self, sandbox_id: str, owner: Peer, scope: Scope, send: Send) -> None:
+        if owner.state == "unknown":
+            message = (
+                f"which node holds sandbox {sandbox_id} cannot be read from the object store "
+                "now; try again"
+            )
+        else:
+            message = (
+                f"sandbox {sandbox_id} runs on node {owner.id}, which is {owner.state} "
+                "(unreachable); try again once it is back"
+            )
+        if scope["type"] == "http":
+            await send_error(send, 503, message, sandboxId=sandbox_id)
+        else:
+            await send({"type": "websocket.close", "code": 1011, "reason": message[:120]})
+
     async def _to_owner(self, sandbox_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         if self.cluster.runs_here(sandbox_id):
-            why = self.cluster.not_serving()
-            if why is None:
-                await self.app(scope, receive, send)
-            elif scope["type"] == "http":
-                await send_error(send, 503, why, sandboxId=sandbox_id)
-            else:
-                await send({"type": "websocket.close", "code": 1011, "reason": why[:120]})
+            await self._here(scope, receive, send, sandbox_id)
             return
         owner = await self.cluster.owner_of(sandbox_id)
         if owner is None:
             await self.app(scope, receive, send)  # nobody claims it: not found, here
+            return
+        if owner.state == "unknown":
+            await self._refuse(sandbox_id, owner, scope, send)
             return
         if owner.state in ("dead", "left"):
             message = (

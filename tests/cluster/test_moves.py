@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,8 +36,8 @@ pytestmark = [
 
 TEMPLATE = "base"
 COUNTER = (
-    "sh -c 'echo $$ > /tmp/pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; "
-    "sleep 0.1; done' >/dev/null 2>&1 &"
+    "sh -c 'echo $$ > /tmp/pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; "
+    "mv /tmp/count.new /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &"
 )
 # the default lease ttl: nothing moves sooner after its node's last renewal, which
 # came at most a third of it (the renewal interval) before the node was cut off
@@ -206,10 +209,17 @@ def test_drain_moves_running_sandboxes_with_their_processes(lab: Lab) -> None:
         pid, _ = start_counter(writer)
         other.files.write("/tmp/kept.txt", "kept across the drain")
         other.commands.run("sleep 3600 >/dev/null 2>&1 &", timeout=30)
-        with lab.node(0).client(timeout=600) as api:
-            r = api.post("/cluster/nodes/node1/drain")
-        assert r.status_code == 200, r.text
-        report = r.json()
+        # the CLI, pointed at node 0, which sends the drain on to node 1
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+        env.update({"AENV_URL": lab.node(0).url, "AENV_API_KEY": lab.api_key})
+        done = subprocess.run(
+            [sys.executable, "-m", "aenv", "node", "drain", "node1", "--output", "json"],
+            env=env,
+            capture_output=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
         assert (report["moved"], report["failed"]) == (2, {}), report
         assert {m["sandboxID"] for m in report["sandboxes"]} == set(sids)
         for sid in sids:

@@ -37,6 +37,7 @@ DEAD_SID = "ccccccccccccccccdead"
 NOBODY_SID = "dddddddddddddddd0000"
 PARKED_SID = "eeeeeeeeeeeeeeeedead"  # paused on the dead node, its copy in the store
 MOVED_SID = "ffffffffffffffffhere"  # made here, moved to "there" (a drain)
+STALE_SID = "gggggggggggggggghere"  # a copy here that is not this node's; the store is down
 
 
 def _echo_app(name: str, *, refuse_creates: bool = False) -> Any:
@@ -109,6 +110,8 @@ class View:
         return None
 
     async def moved_to(self, sandbox_id: str) -> Peer | None:
+        if sandbox_id == STALE_SID:
+            return Peer("here", "", "unknown")
         return self.there if sandbox_id == MOVED_SID else None
 
     def not_serving(self) -> str | None:
@@ -122,6 +125,8 @@ class View:
             return self.there
         if sandbox_id in (DEAD_SID, PARKED_SID):
             return Peer("gone", "http://127.0.0.1:9", "dead")
+        if sandbox_id == STALE_SID:
+            return Peer("here", "", "unknown")
         return None
 
     def placement(self, body: bytes) -> Sequence[Peer]:
@@ -220,6 +225,15 @@ async def test_a_hop_for_a_moved_sandbox_goes_on_to_its_new_node(
     here, http = nodes
     r = await http.get(f"{here}/sandboxes/{MOVED_SID}", headers={HOP_HEADER: "x"})
     assert r.json()["node"] == "there" and r.json()["headers"][HOP_HEADER] == "here"
+
+
+async def test_a_copy_here_whose_holder_cannot_be_read_is_not_served(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, http = nodes
+    for headers in ({}, {HOP_HEADER: "x"}):
+        r = await http.post(f"{here}/sandboxes/{STALE_SID}/connect", headers=headers)
+        assert r.status_code == 503 and "cannot be read" in r.json()["message"], r.text
 
 
 async def test_a_create_goes_to_the_first_node_that_takes_it(
