@@ -44,9 +44,11 @@ app = cyclopts.App(name="aenv", version=__version__, help="Self-hosted E2B-compa
 template_app = cyclopts.App(name="template", help="List and delete templates.")
 snapshot_app = cyclopts.App(name="snapshot", help="Create, list and delete snapshots.")
 cluster_app = cyclopts.App(name="cluster", help="The cluster this node belongs to.")
+node_app = cyclopts.App(name="node", help="One node of the cluster.")
 app.command(template_app)
 app.command(snapshot_app)
 app.command(cluster_app)
+app.command(node_app)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -531,6 +533,25 @@ def cluster_members(*, output: Output = None, node: NodeOptions = _NODE) -> None
     """List the cluster's nodes: id, URL, state, incarnation and load."""
     with node.client() as c:
         _emit(c.cluster_members(), output, render.members_table)
+
+
+@node_app.command(name="drain")
+def node_drain(
+    target: Annotated[
+        str | None,
+        Parameter(name="NODE", help="the node to drain (default: the one the CLI talks to)"),
+    ] = None,
+    *,
+    output: Output = None,
+    node: NodeOptions = _NODE,
+) -> None:
+    """Move every sandbox of a node to the others (running ones keep their memory
+    and processes), then the node leaves the cluster."""
+    with node.client() as c:
+        report = c.drain(target or "self")
+    _emit(report, output, render.drain_summary)
+    if report.get("failed"):
+        raise SystemExit(1)  # the node stays in the cluster with what did not move
 
 
 # -- files -----------------------------------------------------------------------

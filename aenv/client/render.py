@@ -144,5 +144,29 @@ def members_table(items: Sequence[dict[str, Any]]) -> str:
     return table(["NODE", "URL", "STATE", "INC", "SANDBOXES", "MEM FREE GiB", "LOAD"], rows)
 
 
+def drain_summary(report: dict[str, Any]) -> str:
+    lines = [
+        f"node {report.get('nodeID', '?')}: {report.get('moved', 0)} running sandboxes moved, "
+        f"{report.get('rehomed', 0)} paused ones rehomed in {report.get('seconds', 0)}s"
+    ]
+    moves = report.get("sandboxes")
+    if isinstance(moves, list) and moves:
+        rows = [
+            [
+                str(m.get("sandboxID", "")),
+                str(m.get("to", "")),
+                "running" if m.get("running") else "paused",
+                str(m.get("seconds", "")),
+            ]
+            for m in moves
+            if isinstance(m, dict)
+        ]
+        lines.append(table(["SANDBOX", "TO", "STATE", "SECONDS"], rows))
+    failed = report.get("failed")
+    if isinstance(failed, dict):
+        lines += [f"failed: {sid}: {why}" for sid, why in failed.items()]
+    return "\n".join(lines)
+
+
 def dumps(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=False)

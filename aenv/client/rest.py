@@ -263,6 +263,16 @@ class Client:
             raise ProtocolViolation("cluster members: the node did not answer a list")
         return [m for m in body if isinstance(m, dict)]
 
+    def drain(self, node_id: str) -> dict[str, Any]:
+        """Drain a node ("self": the one this client talks to); its report."""
+        resp = self.request(
+            "POST", f"/cluster/nodes/{node_id}/drain", what=f"drain {node_id}", timeout=3600.0
+        )
+        body = self._json(resp)
+        if not isinstance(body, dict):
+            raise ProtocolViolation("drain: the node did not answer an object")
+        return body
+
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/snapshots/{_seg(snapshot_id)}", what="snapshot delete")
 

@@ -23,8 +23,9 @@ import logging
 import os
 import random
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -107,6 +108,18 @@ async def measure_load(node: Node, *, draining: bool = False) -> placement.NodeL
     )
 
 
+class Mover(Protocol):
+    """What the cluster view needs of `aenv.cluster.moves.Moves`."""
+
+    async def adopt(self, sid: str, *, fence: bool = True) -> object:
+        """Take up paused-durable sandbox `sid` here (raises if it cannot move)."""
+        ...
+
+    def unpark(self, sid: str) -> AbstractAsyncContextManager[Any]:
+        """Around a resume of `sid` here: its claim says running first."""
+        ...
+
+
 class Cluster:
     """`ClusterView` over this node and the members it knows."""
 
@@ -128,6 +141,7 @@ class Cluster:
         self.draining = False
         self.ownership: Ownership | None = None  # set once the node's lease is live
         self.pending = placement.Pending()
+        self.moves: Mover | None = None  # with ownership: sandboxes moving between nodes
 
     def members(self) -> list[Member]:
         return sorted(self._members(), key=lambda m: m.id)
@@ -137,7 +151,11 @@ class Cluster:
             self.node.get(sandbox_id)
         except SandboxNotFound:
             return sandbox_id in self.node.lost  # lost here: this node says why
-        return True
+        # Here but not claimed by this node: new (claimed within seconds), or a copy
+        # taken back at a restart that another node took over meanwhile (stopped at
+        # the next reconcile): `owner_of` asks the store.
+        own = self.ownership
+        return own is None or not own.may_serve() or own.grant(sandbox_id) is not None
 
     def not_serving(self) -> str | None:
         own = self.ownership
@@ -166,6 +184,8 @@ class Cluster:
             view = await self.ownership.lookup(sandbox_id)
         except (StoreError, OwnershipError, ValueError) as e:
             log.warning("looking up the owner of sandbox %s failed: %s", sandbox_id, e)
+            if self._unclaimed_here(sandbox_id):  # a copy here: not served unless ours
+                return Peer(self.node_id, "", "unknown")
             return hinted
         if view is None or view.claim.released or view.claim.node == self.node_id:
             return hinted
@@ -183,6 +203,56 @@ class Cluster:
         except (TemplateNotFound, InvalidName):
             return frozenset()
         return frozenset({template})
+
+    async def adopt(self, sandbox_id: str) -> str | None:
+        """Take up here a paused sandbox whose node is dead or has left: None once it
+        is here, else why not."""
+        if self.moves is None:
+            return "this node has no object store to restore it from"
+        try:
+            await self.moves.adopt(sandbox_id, fence=True)
+        except Exception as e:
+            log.warning("sandbox %s cannot be taken up here: %s", sandbox_id, e)
+            return str(e) or repr(e)
+        return None
+
+    async def moved_to(self, sandbox_id: str) -> Peer | None:
+        """For a call another node forwarded here: the node that holds the sandbox
+        now if it is not this one, though this node made it (its tag is ours: it
+        moved away) or holds a copy of it that is not this node's (a copy taken
+        back at a restart after another node took it over). A `Peer` whose state is
+        `dead` or `unknown` (the store did not answer) for such a copy: it must
+        not be served here. None: serve it here (or answer that it is not here)."""
+        try:
+            tag = owner_tag(sandbox_id)
+        except InvalidName:
+            return None
+        copy = self._unclaimed_here(sandbox_id)
+        if not copy and (tag != self.tag or self.ownership is None or self.runs_here(sandbox_id)):
+            return None
+        assert self.ownership is not None
+        try:
+            view = await self.ownership.lookup(sandbox_id)
+        except (StoreError, OwnershipError, ValueError) as e:
+            log.warning("looking up the owner of sandbox %s failed: %s", sandbox_id, e)
+            return Peer(self.node_id, "", "unknown") if copy else None
+        if view is None or view.claim.released or view.claim.node == self.node_id:
+            return None  # new (not claimed yet), or this node's claim (taken up soon)
+        m = {m.id: m for m in self._members()}.get(view.claim.node)
+        if m is not None and m.state in ("alive", "suspect"):
+            return m.as_peer()
+        return Peer(view.claim.node, view.owner_url, "dead") if copy else None
+
+    def _unclaimed_here(self, sandbox_id: str) -> bool:
+        """This node has the sandbox but no claim on it while it may serve."""
+        own = self.ownership
+        if own is None or not own.may_serve() or own.grant(sandbox_id) is not None:
+            return False
+        try:
+            self.node.get(sandbox_id)
+        except SandboxNotFound:
+            return False
+        return True
 
     def placement(self, body: bytes) -> Sequence[Peer]:
         template, memory_mb = _template_of(body)

@@ -90,6 +90,14 @@ class NotOwner(OwnershipError):
     """This node does not hold the sandbox (any more)."""
 
 
+class NotMovable(OwnershipError):
+    """The claim is not in the state a move requires (a running sandbox never moves)."""
+
+    def __init__(self, message: str, claim: SandboxClaim) -> None:
+        super().__init__(message)
+        self.claim = claim
+
+
 class NoClaim(OwnershipError, KeyError):
     """No record for the sandbox, or it was released."""
 
@@ -148,6 +156,9 @@ class Ownership:
         self._holder = LeaseHolder(node, timing, url=url)
         self._version: Version | None = None  # of the lease we last wrote
         self._mine: dict[str, tuple[SandboxClaim, Version]] = {}
+        # one write at a time per claim this node holds: each starts from the version
+        # the previous one left (concurrent writers would refuse each other)
+        self._writing: dict[str, trio.Lock] = {}
         self._on_change = on_change
         self._reported: tuple[HolderStatus, int | None] | None = None
         self._changed = trio.Event()
@@ -230,6 +241,13 @@ class Ownership:
     ) -> Grant:
         """Change the hint of a sandbox this node holds (a fenced write: it fails with
         `NotOwner` if the sandbox moved)."""
+        async with self._write_lock(sid):
+            return await self._update(sid, state=state, meta=meta)
+
+    def _write_lock(self, sid: str) -> trio.Lock:
+        return self._writing.setdefault(sid, trio.Lock())
+
+    async def _update(self, sid: str, *, state: str | None, meta: dict[str, str] | None) -> Grant:
         claim, version = self._held(sid)
         changed = replace(
             claim,
@@ -242,6 +260,11 @@ class Ownership:
     async def release(self, sid: str) -> None:
         """Give up a sandbox this node holds (it was deleted): the record becomes a
         tombstone, by compare-and-swap, then goes. A sandbox not held is left alone."""
+        async with self._write_lock(sid):
+            await self._release(sid)
+        self._writing.pop(sid, None)
+
+    async def _release(self, sid: str) -> None:
         mine = self._mine.get(sid)
         if mine is None:
             return
@@ -256,17 +279,27 @@ class Ownership:
         # Nobody writes a tombstone, so removing it unconditionally is safe.
         await self._store.delete(claim_key(sid))
 
-    async def take_over(self, sid: str, *, state: str | None = None) -> Grant:
+    async def take_over(
+        self, sid: str, *, state: str | None = None, only_from: str | None = None
+    ) -> Grant:
         """Move a sandbox whose node's epoch has ended to this node; its fencing epoch
         grows by one. A sandbox already held is granted as it is. `OwnerAlive` if its
         node's lease is live at the claim's epoch (`fence` that node first), `Claimed`
-        if another node moved it first, `NoClaim` if there is none."""
+        if another node moved it first, `NoClaim` if there is none. With `only_from`,
+        the claim must be in that state (`NotMovable` otherwise): the state read is
+        the one the compare-and-swap replaces."""
         key = claim_key(sid)
         epoch = self._serving_epoch()
         found = await self._store.get_versioned(key)
         if found is None:
             raise NoClaim(sid)
         claim = SandboxClaim.decode(found.data)
+        if only_from is not None and claim.state != only_from and not claim.released:
+            raise NotMovable(
+                f"sandbox {sid!r} is {claim.state or 'in no state'} on node {claim.node!r}, "
+                f"not {only_from}",
+                claim,
+            )
         if claim.node == self.node and claim.node_epoch == epoch and not claim.released:
             return self._keep(claim, found.version)
         view = await self._view(claim)
@@ -288,6 +321,28 @@ class Ownership:
             version = again.version
         log.info("took over sandbox %s from %s (epoch %d)", sid, claim.node, moved.epoch)
         return self._keep(moved, version)
+
+    async def hand_over(self, sid: str, *, to: str, state: str) -> SandboxClaim:
+        """Give a sandbox this node holds to live node `to` (a drain): the claim names
+        `to` at its lease's current epoch, with the fencing epoch one higher, by
+        compare-and-swap on the version this node holds. From then on `to` holds it
+        (its `take_over` grants it as it is) and this node does not. `NotOwner` if the
+        sandbox moved meanwhile, `OwnershipError` if `to` has no live lease."""
+        async with self._write_lock(sid):
+            return await self._hand_over(sid, to=to, state=state)
+
+    async def _hand_over(self, sid: str, *, to: str, state: str) -> SandboxClaim:
+        self._held(sid)
+        self._serving_epoch()
+        lease = _lease_or_none(await self._store.get_versioned(lease_key(to)))
+        if lease is None or lease.state is not LeaseState.LIVE:
+            raise OwnershipError(f"node {to!r} has no live lease: it cannot take {sid!r}")
+        claim, version = self._held(sid)  # (an update may have landed meanwhile)
+        moved = replace(moved_claim(claim, to, lease.epoch, _writer()), state=state)
+        await self._swap_claim(sid, moved, version)
+        self._mine.pop(sid, None)
+        log.info("handed sandbox %s over to %s (epoch %d)", sid, to, moved.epoch)
+        return moved
 
     async def fence(self, node: str, *, min_epoch: int = 0) -> bool:
         """End `node`'s current epoch so that its claims can move: watch its lease

@@ -29,13 +29,14 @@ import trio
 from aenv.cluster.cluster import Cluster, Member, measure_load
 from aenv.cluster.leases import Ownership, open_ownership
 from aenv.cluster.membership import Membership
+from aenv.cluster.moves import DrainReport, Moves
 from aenv.cluster.owners import Owners
 from aenv.cluster.service import ClusterSandboxService
 from aenv.cluster.transport import Transport
 from aenv.config import Config
 from aenv.kit.asgiforward import ForwardingClient
 from aenv.node.node import Node
-from aenv.node.service import PAUSED, SandboxService
+from aenv.node.service import SandboxService
 from aenv.proto.clusterroute import HOP_HEADER
 from aenv.proto.clusterwire import ClusterKey
 from aenv.storage.objstore import ObjectStore
@@ -50,6 +51,22 @@ class ClusterMember:
     membership: Membership
     cluster: Cluster
     http: ForwardingClient  # to other nodes' APIs
+    moves: Moves | None = None  # with an object store: sandboxes move between nodes
+
+    async def drain(self) -> DrainReport:
+        """Move every sandbox of this node to the others, then leave the cluster."""
+        moves = self.moves
+        if moves is None:
+            raise RuntimeError("this node has no object store: its sandboxes cannot move")
+        if moves.drain_report is not None and moves.draining:
+            return moves.drain_report
+
+        async def leave() -> None:
+            if self.cluster.ownership is not None:
+                await self.cluster.ownership.leave()
+            await self.membership.leave()
+
+        return await moves.drain(leave=leave)
 
     def service(self, local: SandboxService) -> ClusterSandboxService:
         return ClusterSandboxService(local, self.cluster, http=self.http, api_key=self.api_key)
@@ -155,22 +172,27 @@ async def open_cluster_member(
         holder.append(cluster)
         await nursery.start(partial(membership.run))
         store = node.durable.store
+        moves: Moves | None = None
         if store is not None:
             # this process holds the node's home (its host claim): a lease left
             # by an earlier process of this node is this node's to keep
             ownership = await nursery.start(_own, store, node_id, url)
             cluster.ownership = ownership
+            owners_box: list[Owners] = []
+            moves = Moves(node, ownership, cluster, http=http, poke=lambda: owners_box[0].poke())
             owners = Owners(
                 ownership,
-                local=lambda: {
-                    a.sandbox_id: "paused" if a.state.value in PAUSED else "running"
-                    for a in node.list()
-                },
+                local=moves.local_states,
                 stop=lambda sid, why: node.start_background(
                     partial(node.kill, sid), f"stopping sandbox {sid}: {why}"
                 ),
+                keep=moves.keep,
+                after=moves.after_reconcile,
             )
+            owners_box.append(owners)
+            cluster.moves = moves
             nursery.start_soon(owners.run)
+            nursery.start_soon(moves.watch)
         log.info(
             "node %s (%s) in the cluster; peers to join: %s",
             node_id,
@@ -178,7 +200,7 @@ async def open_cluster_member(
             ", ".join(config.cluster_peers) or "none (a new cluster)",
         )
         try:
-            yield ClusterMember(config, transport, membership, cluster, http)
+            yield ClusterMember(config, transport, membership, cluster, http, moves)
         finally:
             with trio.CancelScope(shield=True):
                 await membership.leave()

@@ -18,7 +18,8 @@ sandboxes and nothing is reconciled.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Set as AbstractSet
 
 import trio
 
@@ -37,13 +38,20 @@ class Owners:
         *,
         local: Callable[[], Mapping[str, str]],
         stop: Callable[[str, str], None],
+        keep: Callable[[], AbstractSet[str]] = frozenset,
+        after: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """`local()`: {sandbox ID: "running" | "paused"} of what this node holds;
-        `stop(sandbox_id, why)` stops one that is not this node's any more."""
+        """`local()`: {sandbox ID: state hint ("running", "paused", ...)} of what
+        this node holds; `stop(sandbox_id, why)` stops one that is not this node's
+        any more; `keep()`: claims held for sandboxes not here yet (being moved
+        here), never released; `after()` runs after each reconcile."""
         self.ownership = ownership
         self._local = local
         self._stop = stop
+        self._keep = keep
+        self._after = after
         self._poke = trio.Event()
+        self._poke.set()  # the first reconcile at once (a restart's copies are settled)
         self.conflicts = 0
 
     def poke(self) -> None:
@@ -59,6 +67,8 @@ class Owners:
                 await self.reconcile()
             except (StoreError, OwnershipError) as e:
                 log.warning("reconciling sandbox ownership failed: %s", e)
+            except Exception:
+                log.exception("reconciling sandbox ownership failed")
 
     async def reconcile(self) -> None:
         own = self.ownership
@@ -75,8 +85,10 @@ class Owners:
                     await own.update(sid, state=state)
                 except NotOwner:
                     self._moved(sid, "its record was moved to another node")
-        for sid in held.keys() - local.keys():
+        for sid in held.keys() - local.keys() - self._keep():
             await own.release(sid)
+        if self._after is not None:
+            await self._after()
 
     async def _claim(self, sid: str, state: str) -> None:
         own = self.ownership

@@ -78,6 +78,15 @@ class ClusterView(Protocol):
         """Nodes to try for a create, best first (this node among them)."""
         ...
 
+    async def adopt(self, sandbox_id: str) -> str | None:
+        """Take up here a paused sandbox whose node is dead or has left: None once
+        it is here, else why not."""
+        ...
+
+    async def moved_to(self, sandbox_id: str) -> Peer | None:
+        """The node a sandbox this node made has moved to (None: not moved)."""
+        ...
+
 
 class ClusterRouter:
     def __init__(
@@ -104,6 +113,21 @@ class ClusterRouter:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method = scope.get("method", "GET")
         decision = classify(method, scope["path"], headers, self.domain)
+        if isinstance(decision, Local) and HOP_HEADER in headers:
+            # forwarded here by the sandbox's tag: it may have moved on (a drain)
+            unhopped = {k: v for k, v in headers.items() if k != HOP_HEADER}
+            target = classify(method, scope["path"], unhopped, self.domain)
+            if isinstance(target, ToSandbox):
+                moved = await self.cluster.moved_to(target.sandbox_id)
+                if moved is not None and moved.state in ("alive", "suspect"):
+                    self.counter(scope["type"])
+                    await self._forward(moved, scope, receive, send)
+                    return
+                if moved is not None:
+                    await self._refuse(target.sandbox_id, moved, scope, send)
+                    return
+                await self._here(scope, receive, send, target.sandbox_id)
+                return
         if isinstance(decision, Local):
             await self.app(scope, receive, send)
         elif isinstance(decision, ToSandbox):
@@ -111,25 +135,61 @@ class ClusterRouter:
         elif isinstance(decision, Create):
             await self._create(scope, receive, send)
 
+    async def _here(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str) -> None:
+        """Serve a call about a sandbox here, unless this node may not serve now."""
+        why = self.cluster.not_serving() if self.cluster.runs_here(sandbox_id) else None
+        if why is None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await send_error(send, 503, why, sandboxId=sandbox_id)
+        else:
+            await send({"type": "websocket.close", "code": 1011, "reason": why[:120]})
+
+    async def _refuse(self, sandbox_id: str, owner: Peer, scope: Scope, send: Send) -> None:
+        if owner.state == "unknown":
+            message = (
+                f"which node holds sandbox {sandbox_id} cannot be read from the object store "
+                "now; try again"
+            )
+        else:
+            message = (
+                f"sandbox {sandbox_id} runs on node {owner.id}, which is {owner.state} "
+                "(unreachable); try again once it is back"
+            )
+        if scope["type"] == "http":
+            await send_error(send, 503, message, sandboxId=sandbox_id)
+        else:
+            await send({"type": "websocket.close", "code": 1011, "reason": message[:120]})
+
     async def _to_owner(self, sandbox_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         if self.cluster.runs_here(sandbox_id):
-            why = self.cluster.not_serving()
-            if why is None:
-                await self.app(scope, receive, send)
-            elif scope["type"] == "http":
-                await send_error(send, 503, why, sandboxId=sandbox_id)
-            else:
-                await send({"type": "websocket.close", "code": 1011, "reason": why[:120]})
+            await self._here(scope, receive, send, sandbox_id)
             return
         owner = await self.cluster.owner_of(sandbox_id)
         if owner is None:
             await self.app(scope, receive, send)  # nobody claims it: not found, here
+            return
+        if owner.state == "unknown":
+            await self._refuse(sandbox_id, owner, scope, send)
             return
         if owner.state in ("dead", "left"):
             message = (
                 f"sandbox {sandbox_id} runs on node {owner.id}, which is {owner.state} "
                 "(unreachable); try again once it is back"
             )
+            if _resumes(scope, sandbox_id):
+                # a paused sandbox whose copy is in the store resumes here
+                why = await self.cluster.adopt(sandbox_id)
+                if why is None:
+                    await self.app(scope, receive, send)
+                    return
+                moved = await self.cluster.owner_of(sandbox_id)
+                if moved is not None and moved.state in ("alive", "suspect"):
+                    # another node took it up first (its own adoption)
+                    self.counter(scope["type"])
+                    await self._forward(moved, scope, receive, send)
+                    return
+                message = f"{message} ({why})"
             if scope["type"] == "http":
                 await send_error(send, 503, message, sandboxId=sandbox_id)
             else:
@@ -217,6 +277,18 @@ class ClusterRouter:
             await send({"type": "http.response.body", "body": resp.content})
             return
         await send_error(send, 503, last_error)
+
+
+def _resumes(scope: Scope, sandbox_id: str) -> bool:
+    """Whether the request connects to or resumes the sandbox (REST)."""
+    if scope["type"] != "http" or scope.get("method") != "POST":
+        return False
+    path = str(scope["path"]).rstrip("/")
+    return any(
+        path == f"{base}/sandboxes/{sandbox_id}/{verb}"
+        for base in ("", "/v2")
+        for verb in ("connect", "resume")
+    )
 
 
 def _forwarded_headers(scope: Scope, node_id: str) -> list[tuple[str, str]]:

@@ -11,18 +11,23 @@ answer and logged; the list never waits on a dead node.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 
 import httpx
 import trio
 
 from aenv.cluster.cluster import Cluster
+from aenv.cluster.leases import OwnershipError
+from aenv.cluster.moves import MoveError
 from aenv.node import service as sv
+from aenv.node.node import SandboxNotFound
 from aenv.proto.clusterroute import HOP_HEADER
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import Limits, NewSandbox
+from aenv.storage.objstore import StoreError
 
 log = logging.getLogger("aenv.cluster.service")
 
@@ -86,11 +91,33 @@ class ClusterSandboxService:
     async def get(self, sandbox_id: str) -> sv.SandboxInfo:
         return await self.local.get(sandbox_id)
 
+    @contextlib.asynccontextmanager
+    async def _unparked(self, sandbox_id: str) -> AsyncIterator[None]:
+        """A paused sandbox whose claim lets it move may not move once resumed here."""
+        moves = self.cluster.moves
+        if moves is None:
+            yield
+            return
+        try:
+            async with moves.unpark(sandbox_id):
+                yield
+        except (OwnershipError, StoreError, MoveError) as e:
+            raise sv.Unavailable(f"sandbox {sandbox_id} cannot be resumed now: {e}") from None
+
+    def _paused_here(self, sandbox_id: str) -> bool:
+        try:
+            actor = self.cluster.node.get(sandbox_id)
+        except SandboxNotFound:
+            return False
+        return actor.auto_resume and actor.state.value in ("paused", "pausing")
+
     async def connect(self, sandbox_id: str, timeout_s: int) -> sv.Connected:
-        return await self.local.connect(sandbox_id, timeout_s)
+        async with self._unparked(sandbox_id):
+            return await self.local.connect(sandbox_id, timeout_s)
 
     async def resume(self, sandbox_id: str, timeout_s: int) -> sv.SandboxInfo:
-        return await self.local.resume(sandbox_id, timeout_s)
+        async with self._unparked(sandbox_id):
+            return await self.local.resume(sandbox_id, timeout_s)
 
     async def pause(self, sandbox_id: str, mode: str) -> None:
         await self.local.pause(sandbox_id, mode)
@@ -128,4 +155,7 @@ class ClusterSandboxService:
     async def endpoint(
         self, sandbox_id: str, port: int, *, auto_resume: bool = False
     ) -> sv.Endpoint:
-        return await self.local.endpoint(sandbox_id, port, auto_resume=auto_resume)
+        if not auto_resume or not self._paused_here(sandbox_id):
+            return await self.local.endpoint(sandbox_id, port, auto_resume=auto_resume)
+        async with self._unparked(sandbox_id):
+            return await self.local.endpoint(sandbox_id, port, auto_resume=True)

@@ -57,7 +57,13 @@ from aenv.images.store import ImageNotPulled, ImageRecord
 from aenv.kit.faults import crash_point
 from aenv.kit.retry import Backoff
 from aenv.kit.supervisor import ChildHandle, RestartPolicy, StopToken, Strategy, Supervisor
-from aenv.node.snapshots import SNAPSHOT_PREFIX, CorruptSnapshot, Snapshots, is_internal
+from aenv.node.snapshots import (
+    SNAPSHOT_PREFIX,
+    CorruptSnapshot,
+    Snapshots,
+    is_internal,
+    is_paused_copy,
+)
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imagetree import ImageTree, TreeError
 from aenv.proto.layerindex import BadIndex, LayerIndex
@@ -155,7 +161,8 @@ class Durable:
     # -- uploads -------------------------------------------------------------------
 
     def _initial_storage(self, doc: dict[str, Any]) -> str:
-        return "uploading" if self.store is not None and not is_internal(doc) else "local"
+        shared = not is_internal(doc) or is_paused_copy(doc)  # a template's own stays here
+        return "uploading" if self.store is not None and shared else "local"
 
     def spawn(self, doc: dict[str, Any]) -> None:
         """Start uploading a snapshot recorded `uploading` (no-op otherwise)."""

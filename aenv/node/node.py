@@ -64,7 +64,13 @@ from aenv.node.durable import Durable
 from aenv.node.host import Host, HttpEnvd, WritableRoots
 from aenv.node.pool import Pool
 from aenv.node.sandbox import Fork, LiveCapture, Resume, SandboxActor, Snapshot, policy_of
-from aenv.node.snapshots import CorruptSnapshot, Snapshots, record_capture
+from aenv.node.snapshots import (
+    CorruptSnapshot,
+    Snapshots,
+    is_paused_copy,
+    paused_copy_name,
+    record_capture,
+)
 from aenv.node.warm import Warmer
 from aenv.proto import ids
 from aenv.proto import lifecycle as lc
@@ -104,6 +110,10 @@ class SandboxNotFound(LookupError):
     def __init__(self, sandbox_id: str, why: str | None = None) -> None:
         super().__init__(f"sandbox {sandbox_id!r} " + (why or "not found"))
         self.sandbox_id = sandbox_id
+
+
+class SandboxConflict(Exception):
+    """The sandbox is already on this node."""
 
 
 class SandboxLost(Exception):
@@ -692,6 +702,88 @@ class Node:
             memory_mb=int(doc.get("memoryMB") or template.memory_mb),
         )
 
+    # -- moving paused sandboxes between nodes (a cluster's) ---------------------
+
+    async def paused_copy(self, sandbox_id: str) -> dict[str, Any]:
+        """A durable copy of paused sandbox `sandbox_id` (on disk, not frozen): an
+        internal snapshot of its memory image and layers whose record holds the
+        sandbox's own (`paused_record`, under "sandbox"), uploaded to the object
+        store. Returns the snapshot's record once the upload is over (its
+        `storage` says whether it is durable)."""
+        from aenv.node.sandbox import CopyPaused, PausedCopy
+
+        actor = self.get(sandbox_id)
+        for old in await self.snapshots.list():  # this pause's copy, made earlier
+            if is_paused_copy(old) and old.get("pausedKey") == actor.paused_key():
+                if old.get("storage") == "uploading":
+                    self.durable.spawn(old)
+                return await self.durable.wait_durable(str(old["snapshotID"]))
+        key = actor.paused_key()
+        copy: PausedCopy = await actor.mailbox.ask(CopyPaused(), timeout=60)
+        doc: dict[str, Any] = {
+            "name": None,
+            "names": [paused_copy_name(sandbox_id)],
+            "sourceSandboxID": sandbox_id,
+            "templateID": actor.template.template_id,
+            "layers": list(copy.stack.ids()),
+            "memory": copy.image is not None,
+            "cpuCount": actor.cpu_count,
+            "memoryMB": actor.memory_mb,
+            "envdToken": actor.envd_access_token,
+            "pausedKey": key,
+            "sandbox": copy.record,
+        }
+        recorded = await self.services.run(
+            f"copy paused {sandbox_id} #{next(self._jobs)}",
+            lambda _stop: record_capture(self.snapshots, doc, copy.image, then=self.durable.spawn),
+            grace_s=0.0,
+        )
+        return await self.durable.wait_durable(str(recorded["snapshotID"]))
+
+    async def adopt_paused(self, doc: dict[str, Any]) -> SandboxActor:
+        """Take up, paused, a sandbox another node paused: `doc` is its durable copy
+        (`paused_copy`, found in the object store), restored here and journaled; the
+        sandbox keeps its ID, tokens, metadata, env, settings and time left."""
+        record = dict(doc["sandbox"])
+        sandbox_id = str(record["sandboxID"])
+        if sandbox_id in self._sandboxes:
+            raise SandboxConflict(f"sandbox {sandbox_id} is already on this node")
+        template = await self.resolve_template(str(record["templateID"]))
+        local = await self.durable.ensure_local(doc, template)
+        self._check_capacity()
+        workdir = self.config.sandboxes_dir / sandbox_id
+        captures = int(record.get("captures") or 0) + 1
+        image: str | None = None
+        if local.get("image") is not None:
+            source = await self.snapshots.verified_image(local)
+            assert source is not None
+            image = f"image{captures}"
+
+            def place() -> None:
+                shutil.rmtree(workdir, ignore_errors=True)
+                workdir.mkdir(parents=True)
+                _link_files(source, workdir / str(image))
+
+            await trio.to_thread.run_sync(place)
+        else:
+            await trio.to_thread.run_sync(lambda: workdir.mkdir(parents=True, exist_ok=True))
+        paused = {
+            **record,
+            "state": "paused",
+            "image": image,
+            "layers": list(local.get("layers") or ()),
+            "captures": captures,
+            "resumeAtStart": False,
+        }
+        actor = SandboxActor.from_journal(self, template, paused)
+        await actor.journal_paused()
+        try:
+            return await self._launch(actor)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self.meta.run(self.meta.store.delete_sandbox, sandbox_id)
+            raise
+
     def start_background(self, afn: Callable[[], Awaitable[object]], what: str) -> None:
         """Run `afn` as a one-shot job of the `services` supervisor; its failure is
         logged, never raised; a node stop cancels it."""
@@ -1009,3 +1101,14 @@ def _missing_parts(actor: SandboxActor) -> str:
     if image is not None and not image.is_dir():
         gaps.append(str(image))
     return ", ".join(gaps)
+
+
+def _link_files(src: Path, dest: Path) -> None:
+    """Hard-link every file of directory `src` into new directory `dest` (blocking)."""
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copy2(f, dest / f.name)

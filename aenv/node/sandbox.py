@@ -178,6 +178,23 @@ class WriteBehind:
 
 
 @dataclass(frozen=True)
+class CopyPaused:
+    """A paused sandbox on disk: answer a `PausedCopy` of what resumes it (a
+    cluster makes it durable in the object store, so another node can)."""
+
+
+@dataclass(frozen=True)
+class PausedCopy:
+    """The answer to `CopyPaused`: hard links to its memory image (None for a
+    filesystem pause) in a directory of its own (the asker's to remove), the
+    layer stack it resumes over and its record (`SandboxActor.paused_record`)."""
+
+    image: Path | None
+    stack: LayerStack
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class PoolFreeze:
     """Freeze a pooled sandbox's processes until it is adopted."""
 
@@ -203,6 +220,7 @@ Msg = (
     | Adopt
     | Hibernate
     | WriteBehind
+    | CopyPaused
 )
 
 
@@ -847,6 +865,17 @@ class SandboxActor:
             "resumeAtStart": self.resume_at_start,
         }
 
+    async def journal_paused(self) -> None:
+        """Journal this sandbox, not started yet, as paused (one brought from
+        another node: a restart of this node takes it up paused)."""
+        await self._persist_paused()
+
+    def paused_key(self) -> str:
+        """What identifies this sandbox's current pause: its image and layers
+        (a durable copy of an earlier pause is stale)."""
+        image = "" if self._resume_image is None else self._resume_image.name
+        return ":".join([image, *self.stack.ids()])
+
     async def _persist_paused(self) -> None:
         """Record this paused sandbox durably (its image flushed to disk first).
 
@@ -1110,6 +1139,14 @@ class SandboxActor:
                     if self.lifecycle.state is not lc.State.RUNNING or self._running is None:
                         raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
                     await self._capture_live(msg, req)
+                case CopyPaused():
+                    if not paused or self.frozen_pause or not self.on_disk:
+                        raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
+                    copy: Path | None = None
+                    if self._resume_image is not None:
+                        copy = self.workdir / f"copy-{secrets.token_hex(4)}"
+                        await trio.to_thread.run_sync(_link_tree, self._resume_image, copy)
+                    req.reply(PausedCopy(copy, self.stack, self.paused_record()))
                 case PoolFreeze():
                     if self.pooled and self._running is not None and not self._frozen:
                         await self._running.freeze()
@@ -1188,3 +1225,14 @@ class SandboxActor:
     def require_running(self) -> None:
         if self.lifecycle.state is not lc.State.RUNNING:
             raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard-link every file of directory `src` into new directory `dest` (blocking)."""
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copy2(f, dest / f.name)

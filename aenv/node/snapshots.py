@@ -51,9 +51,29 @@ def snapshot_name(template: Template) -> str:
     return f"{TEMPLATE_PREFIX}{template.template_id}@{template.build_id}"
 
 
-def is_internal(doc: dict[str, Any]) -> bool:
-    """Whether a snapshot record is a template's own (hidden from listings)."""
+# Names of paused sandboxes' durable copies (a cluster's nodes resume them
+# from the object store); internal, never listed, but uploaded.
+PAUSED_PREFIX = "~paused/"
+
+
+def paused_copy_name(sandbox_id: str) -> str:
+    return f"{PAUSED_PREFIX}{sandbox_id}"
+
+
+def is_paused_copy(doc: dict[str, Any]) -> bool:
+    """Whether a snapshot record is a paused sandbox's durable copy."""
+    return any(str(n).startswith(PAUSED_PREFIX) for n in doc.get("names") or ())
+
+
+def is_template_own(doc: dict[str, Any]) -> bool:
+    """Whether a snapshot record is a template's own."""
     return any(str(n).startswith(TEMPLATE_PREFIX) for n in doc.get("names") or ())
+
+
+def is_internal(doc: dict[str, Any]) -> bool:
+    """Whether a snapshot record is the node's own (hidden from listings): a
+    template's, or a paused sandbox's durable copy."""
+    return is_template_own(doc) or is_paused_copy(doc)
 
 
 class CorruptSnapshot(Exception):
@@ -217,11 +237,12 @@ class Snapshots:
     async def list(self) -> list[dict[str, Any]]:
         return await self.meta.run(self.meta.store.list_snapshots)
 
-    async def delete(self, snap_id: str) -> None:
+    async def delete(self, snap_id: str, *, local_only: bool = False) -> None:
+        """Delete a snapshot here and (unless `local_only`) from the object store."""
         doc = await self.meta.run(self.meta.store.get_snapshot, snap_id)
         await self.meta.run(self.meta.store.delete_snapshot, snap_id)
         await trio.to_thread.run_sync(shutil.rmtree, self.root / snap_id, True)
-        if doc is not None and self.on_delete is not None:
+        if doc is not None and self.on_delete is not None and not local_only:
             await self.on_delete(doc)
 
     async def layer_ids(self) -> set[str]:

@@ -30,7 +30,7 @@ from aenv.kit.supervisor import (
     Strategy,
     Supervisor,
 )
-from aenv.node.snapshots import Snapshots, is_internal, snapshot_name
+from aenv.node.snapshots import Snapshots, is_template_own, snapshot_name
 from aenv.storage.templates import Template
 
 if TYPE_CHECKING:
@@ -102,5 +102,5 @@ class Warmer:
     async def forget(self, template_id: str) -> None:
         """Delete every snapshot a template's sandboxes were restored from."""
         for doc in await self._snapshots.list():
-            if is_internal(doc) and doc.get("templateID") == template_id:
+            if is_template_own(doc) and doc.get("templateID") == template_id:
                 await self._snapshots.delete(str(doc["snapshotID"]))

@@ -30,10 +30,12 @@ from trio.testing import MockClock
 from aenv.cluster.leases import (
     Claimed,
     NoClaim,
+    NotMovable,
     NotOwner,
     NotServing,
     OwnerAlive,
     Ownership,
+    OwnershipError,
     open_ownership,
 )
 from aenv.proto.ownership import ClaimStatus, HolderStatus, LeaseState, LeaseTiming
@@ -210,6 +212,33 @@ async def test_a_dead_nodes_claims_move_only_after_the_window(
                 await a.take_over("s1")  # b's now: held by a live node
             grant = await a.take_over("s2")
             assert (grant.epoch, grant.node_epoch) == (2, 2)
+
+
+async def test_only_a_paused_durable_claim_moves_and_a_drain_hands_claims_over(
+    tmp_path: Path, clock: MockClock
+) -> None:
+    store = dir_store(tmp_path)
+    async with open_ownership(store, node="b", timing=SLOW) as b:
+        async with open_ownership(store, node="a", timing=SLOW) as a:
+            await a.claim("run", state="running")
+            await a.claim("parked", state="paused-durable")
+            await a.claim("drained", state="running")
+            # a drain: the claim goes to b, live, at b's epoch; a no longer holds it
+            moved = await a.hand_over("drained", to="b", state="paused-durable")
+            assert (moved.node, moved.node_epoch, moved.epoch) == ("b", b.epoch, 2)
+            assert a.grant("drained") is None
+            with pytest.raises(NotOwner):
+                await a.update("drained", state="running")
+            grant = await b.take_over("drained", only_from="paused-durable")
+            assert (grant.epoch, grant.state) == (2, "paused-durable")
+            with pytest.raises(OwnershipError):  # nobody's lease is "c"
+                await a.hand_over("run", to="c", state="paused-durable")
+        assert await b.fence("a") or await b.fence("a")
+        # a running sandbox's memory was only on a: its claim never moves
+        with pytest.raises(NotMovable):
+            await b.take_over("run", only_from="paused-durable")
+        grant = await b.take_over("parked", only_from="paused-durable")
+        assert (grant.node_epoch, grant.epoch) == (b.epoch, 2)
 
 
 async def test_a_restarted_node_keeps_its_epoch(tmp_path: Path, clock: MockClock) -> None:

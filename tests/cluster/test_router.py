@@ -7,7 +7,9 @@ cluster view is a table (who holds which sandbox, which nodes are dead).
 Rules: a call about a sandbox another node holds reaches that node whole
 (method, path, query, body, headers, Host) with the hop header, streamed
 both ways, WebSocket included; one held here, one nobody claims, and
-everything else are served here; a dead owner is a 503 naming it at once;
+everything else are served here; a dead owner is a 503 naming it at once,
+except for a connect or resume of a paused sandbox the view can take up
+here; a hop for a sandbox that moved away from here goes on to its node;
 a create goes to the first candidate that takes it, its body replayed. A
 forwarded request carries the client's headers and nothing the forwarder's
 HTTP client would add: no default headers, no cookie an earlier response set
@@ -36,6 +38,9 @@ HERE_SID = "aaaaaaaaaaaaaaaahere"
 THERE_SID = "bbbbbbbbbbbbbbbbther"
 DEAD_SID = "ccccccccccccccccdead"
 NOBODY_SID = "dddddddddddddddd0000"
+PARKED_SID = "eeeeeeeeeeeeeeeedead"  # paused on the dead node, its copy in the store
+MOVED_SID = "ffffffffffffffffhere"  # made here, moved to "there" (a drain)
+STALE_SID = "gggggggggggggggghere"  # a copy here that is not this node's; the store is down
 
 
 def _echo_app(name: str, *, refuse_creates: bool = False) -> Any:
@@ -108,9 +113,21 @@ class View:
 
     def __init__(self, there: Peer, full: Peer) -> None:
         self.there, self.full = there, full
+        self.adopted: set[str] = set()
 
     def runs_here(self, sandbox_id: str) -> bool:
-        return sandbox_id == HERE_SID
+        return sandbox_id == HERE_SID or sandbox_id in self.adopted
+
+    async def adopt(self, sandbox_id: str) -> str | None:
+        if sandbox_id != PARKED_SID:
+            return "it is running: its memory is only on its node"
+        self.adopted.add(sandbox_id)
+        return None
+
+    async def moved_to(self, sandbox_id: str) -> Peer | None:
+        if sandbox_id == STALE_SID:
+            return Peer("here", "", "unknown")
+        return self.there if sandbox_id == MOVED_SID else None
 
     def not_serving(self) -> str | None:
         return None
@@ -118,8 +135,10 @@ class View:
     async def owner_of(self, sandbox_id: str) -> Peer | None:
         if sandbox_id == THERE_SID:
             return self.there
-        if sandbox_id == DEAD_SID:
+        if sandbox_id in (DEAD_SID, PARKED_SID):
             return Peer("gone", "http://127.0.0.1:9", "dead")
+        if sandbox_id == STALE_SID:
+            return Peer("here", "", "unknown")
         return None
 
     def placement(self, body: bytes) -> Sequence[Peer]:
@@ -220,6 +239,36 @@ async def test_a_dead_owner_answers_503_naming_it(nodes: tuple[str, httpx.AsyncC
         r = await http.get(f"{here}/sandboxes/{DEAD_SID}")
     assert r.status_code == 503
     assert "node gone" in r.json()["message"] and "dead" in r.json()["message"]
+
+
+async def test_a_dead_owners_paused_sandbox_is_resumed_here(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, http = nodes
+    # only a connect or resume takes it up; anything else still answers 503
+    assert (await http.get(f"{here}/sandboxes/{PARKED_SID}")).status_code == 503
+    r = await http.post(f"{here}/sandboxes/{PARKED_SID}/connect", json={"timeout": 30})
+    assert r.status_code == 200 and r.json()["node"] == "here"
+    # a running one cannot move: 503 with why
+    r = await http.post(f"{here}/sandboxes/{DEAD_SID}/resume", json={"timeout": 30})
+    assert r.status_code == 503 and "memory is only on its node" in r.json()["message"]
+
+
+async def test_a_hop_for_a_moved_sandbox_goes_on_to_its_new_node(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, http = nodes
+    r = await http.get(f"{here}/sandboxes/{MOVED_SID}", headers={HOP_HEADER: "x"})
+    assert r.json()["node"] == "there" and r.json()["headers"][HOP_HEADER] == "here"
+
+
+async def test_a_copy_here_whose_holder_cannot_be_read_is_not_served(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, http = nodes
+    for headers in ({}, {HOP_HEADER: "x"}):
+        r = await http.post(f"{here}/sandboxes/{STALE_SID}/connect", headers=headers)
+        assert r.status_code == 503 and "cannot be read" in r.json()["message"], r.text
 
 
 async def test_a_create_goes_to_the_first_node_that_takes_it(

@@ -43,6 +43,9 @@ PORTABLE_FIELDS = (
     "memoryMB",
     "envdToken",
     "createdAt",
+    # a paused sandbox's durable copy (a cluster's nodes resume it): its record and pause
+    "sandbox",
+    "pausedKey",
 )
 
 
