@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -199,6 +200,31 @@ def test_a_dead_nodes_paused_sandboxes_are_listed_and_resumable(lab: Lab) -> Non
             pid, count = counting(again)
             assert pid == pids[sid]
             assert wait_for("counting on", lambda a=again, c=count: counting(a)[1] > c + 3, 30)
+
+
+def test_a_paused_sandbox_resumes_on_another_node_when_its_own_has_no_room(lab: Lab) -> None:
+    (sbx,) = on(lab, 0)
+    sid = sbx.sandbox_id
+    with killing(lab, [sid]):
+        pid, _ = start_counter(sbx)
+        sbx.pause()
+        wait_claim(lab, sid, "paused-durable")
+        # node0 keeps 99 % of the host's memory free: no room to resume anything there
+        lab.node(0).env["AENV_HIBERNATE_MEMORY_LOW"] = "99"
+        try:
+            lab.restart_node(0, sig=signal.SIGTERM)
+            wait_for("node0 back", lambda: members(lab.node(1)).get("node0") == "alive", 60)
+            again = Sandbox.connect(sid, timeout=600, **lab.node(1).sdk())
+            moved = claim(lab, sid)
+            assert moved is not None and moved["node"] in ("node1", "node2"), moved
+            assert moved["state"] == "running"
+            assert owner(lab.node(0), sid) == moved["node"]
+            again_pid, count = counting(again)
+            assert again_pid == pid
+            assert wait_for("counting on", lambda: counting(again)[1] > count + 3, 30)
+        finally:
+            del lab.node(0).env["AENV_HIBERNATE_MEMORY_LOW"]
+            lab.restart_node(0, sig=signal.SIGTERM)
 
 
 def test_drain_moves_running_sandboxes_with_their_processes(lab: Lab) -> None:
