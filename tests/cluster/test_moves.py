@@ -31,7 +31,6 @@ from tests.cluster.lab import Lab, LabNode, requires_lab
 pytestmark = [
     requires_lab,
     pytest.mark.runsc,
-    pytest.mark.slow,
     pytest.mark.lab(nodes=3, store="s3", env={"AENV_HIBERNATE_AFTER": "1", "AENV_POOL_SIZE": "0"}),
 ]
 
