@@ -47,6 +47,7 @@ import trio
 from aenv.config import Config
 from aenv.images.service import Images, open_images
 from aenv.images.store import ImageRecord
+from aenv.kit.files import link_files
 from aenv.kit.mailbox import Busy
 from aenv.kit.metrics import Registry
 from aenv.kit.supervisor import (
@@ -762,7 +763,7 @@ class Node:
             def place() -> None:
                 shutil.rmtree(workdir, ignore_errors=True)
                 workdir.mkdir(parents=True)
-                _link_files(source, workdir / str(image))
+                link_files(source, workdir / str(image))
 
             await trio.to_thread.run_sync(place)
         else:
@@ -1101,14 +1102,3 @@ def _missing_parts(actor: SandboxActor) -> str:
     if image is not None and not image.is_dir():
         gaps.append(str(image))
     return ", ".join(gaps)
-
-
-def _link_files(src: Path, dest: Path) -> None:
-    """Hard-link every file of directory `src` into new directory `dest` (blocking)."""
-    dest.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            try:
-                os.link(f, dest / f.name)
-            except OSError:
-                shutil.copy2(f, dest / f.name)

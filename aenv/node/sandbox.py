@@ -34,7 +34,7 @@ import trio
 from aenv.config import Config
 from aenv.kit.asgiforward import ForwardingClient
 from aenv.kit.faults import crash_point
-from aenv.kit.files import fsync_tree
+from aenv.kit.files import fsync_tree, link_files
 from aenv.kit.mailbox import Mailbox, Request
 from aenv.node import capture
 from aenv.node.host import EnvdUnavailable, Host
@@ -1145,7 +1145,7 @@ class SandboxActor:
                     copy: Path | None = None
                     if self._resume_image is not None:
                         copy = self.workdir / f"copy-{secrets.token_hex(4)}"
-                        await trio.to_thread.run_sync(_link_tree, self._resume_image, copy)
+                        await trio.to_thread.run_sync(link_files, self._resume_image, copy)
                     req.reply(PausedCopy(copy, self.stack, self.paused_record()))
                 case PoolFreeze():
                     if self.pooled and self._running is not None and not self._frozen:
@@ -1225,14 +1225,3 @@ class SandboxActor:
     def require_running(self) -> None:
         if self.lifecycle.state is not lc.State.RUNNING:
             raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
-
-
-def _link_tree(src: Path, dest: Path) -> None:
-    """Hard-link every file of directory `src` into new directory `dest` (blocking)."""
-    dest.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            try:
-                os.link(f, dest / f.name)
-            except OSError:
-                shutil.copy2(f, dest / f.name)
