@@ -48,10 +48,15 @@ def read_from(path: Path, offset: int) -> tuple[str, int]:
 
 
 async def follow_kills(
-    path: Path, on_kill: Callable[[OomKill], None], *, poll_s: float = POLL_S
+    path: Path,
+    on_kill: Callable[[OomKill], None],
+    *,
+    poll_s: float = POLL_S,
+    start: int | None = None,
 ) -> None:
-    """Forever: report the kills appended to the console log at `path`."""
-    offset = await trio.to_thread.run_sync(_size, path)
+    """Forever: report the kills appended to the console log at `path` after
+    offset `start` (None: its current end)."""
+    offset = await trio.to_thread.run_sync(_size, path) if start is None else start
     while True:
         await trio.sleep(poll_s)
         if await trio.to_thread.run_sync(_size, path) == offset:
