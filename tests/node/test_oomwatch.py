@@ -30,16 +30,19 @@ async def test_follow_reports_kills_appended_after_it_started(tmp_path: Path) ->
     before = format_kill(KILL) + "\n"  # already reported
     console.write_text(before)
     seen: list[OomKill] = []
+    arrived = trio.Event()
+
+    def on_kill(kill: OomKill) -> None:
+        seen.append(kill)
+        arrived.set()
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
-            functools.partial(
-                follow_kills, console, seen.append, start=len(before), poll_s=0.01
-            )
+            functools.partial(follow_kills, console, on_kill, start=len(before), poll_s=0.01)
         )
         with console.open("a") as f:
             f.write("envd chatter\n" + format_kill(KILL) + "\n")
         with trio.fail_after(5):
-            while not seen:
-                await trio.sleep(0.01)
+            await arrived.wait()
         nursery.cancel_scope.cancel()
     assert seen == [KILL]
