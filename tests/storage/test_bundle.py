@@ -31,7 +31,7 @@ def test_envd_command_starts_envd_through_the_bundled_loader() -> None:
     assert env["PYTHONHOME"] == BUNDLE_MOUNT
     assert env["PYTHONDONTWRITEBYTECODE"] == "1"
     assert env["PYTHONNOUSERSITE"] == "1"
-    assert envd_command()[0][-1] == "49983"
+    assert envd_command()[0][-2] == "49983"
 
 
 def test_bundle_layout(bundle: Path) -> None:
