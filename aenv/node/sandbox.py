@@ -36,10 +36,13 @@ from aenv.kit.asgiforward import ForwardingClient
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree, link_files
 from aenv.kit.mailbox import Mailbox, Request
+from aenv.kit.metrics import Metric
 from aenv.node import capture
 from aenv.node.host import EnvdUnavailable, Host
+from aenv.node.oomwatch import follow_kills
 from aenv.proto import lifecycle as lc
 from aenv.proto.netpolicy import EgressPolicy
+from aenv.proto.oomevent import OomKill
 from aenv.proto.requests import NewSandbox
 from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
 from aenv.runtimes.netns import NetSlot
@@ -239,6 +242,8 @@ class SandboxHost(Protocol):
     host: Host
     layers: LayerStore
     meta: Metadata
+    # processes killed by sandboxes' OOM killer (aenv_sandbox_oom_kills_total)
+    m_oom_kills: Metric
 
     def forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
         """Take the actor out of the node's table (its task is ending)."""
@@ -254,6 +259,9 @@ class SandboxActor:
         self.node = node
         self.sandbox_id = sandbox_id
         self.template = template
+        # why the runtime stopped by itself, if it did (kept for the API once it is gone)
+        self.exit_cause: str | None = None
+        self.host_oom_killed = False
         self.metadata = dict(req.metadata)
         # The image's Env first; the caller's envVars override it.
         self.env_vars = {**template.env_map, **req.env_vars}
@@ -1049,6 +1057,8 @@ class SandboxActor:
             "accessToken": self.envd_access_token,
             "defaultUser": self.template.default_user,
             "defaultWorkdir": self.template.default_workdir,
+            # aenv's own: RLIMIT_NPROC of the user's processes (aenv.envd.guard)
+            "processLimit": self.node.config.process_limit_for(self.memory_mb),
             # microseconds: envd ignores an /init not newer than the last (a pool
             # member is initialised twice within a second when adopted at once)
             "timestamp": datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z"),
@@ -1066,10 +1076,15 @@ class SandboxActor:
                 status = await running.wait()
                 if self.lifecycle.can(lc.Exited(status)):
                     self.lifecycle.step(lc.Exited(status))
+                    self.exit_cause = f"its runtime exited with status {status}" + (
+                        " (the host killed it: out of memory)" if running.host_oom_killed else ""
+                    )
+                    self.host_oom_killed = running.host_oom_killed
                     self._log(f"sandbox process exited with status {status}", level="warn")
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch_exit)
+            nursery.start_soon(follow_kills, self.workdir / "console.log", self._on_oom_kill)
             while self.lifecycle.state is lc.State.RUNNING:
                 deadline = self.lifecycle.deadline
                 assert deadline is not None
@@ -1080,6 +1095,10 @@ class SandboxActor:
                 if self.lifecycle.step(lc.Expire(trio.current_time())):
                     self._log("timeout reached")
             nursery.cancel_scope.cancel()
+
+    def _on_oom_kill(self, kill: OomKill) -> None:
+        self._log(kill.describe(), level="warn", event="oom-kill", pid=str(kill.pid))
+        self.node.m_oom_kills.inc()
 
     async def _handle(self, req: Request[Msg]) -> None:
         msg = req.msg

@@ -554,7 +554,7 @@ class LocalSandboxService:
         except SandboxNotFound as e:
             raise NotFound(str(e)) from None
         if actor.state.value not in ADDRESSABLE:  # being created, or stopping (and why)
-            raise NotFound(str(SandboxNotFound(sandbox_id, self._node.lost.get(sandbox_id))))
+            raise NotFound(str(SandboxNotFound(sandbox_id, self._node.why_gone(sandbox_id))))
         return actor
 
 
