@@ -29,8 +29,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.registry import registry, registry_auth  # noqa: F401  (fixtures)
+
+# Property tests check behaviour, never timing: no per-example deadline (a busy
+# CI machine makes a 200 ms default fail at random), and no "too slow" checks.
+settings.register_profile(
+    "aenv", deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
+)
+settings.load_profile("aenv")
 
 REPO = Path(__file__).resolve().parent.parent
 # Overridable so two test runs on one machine never share network state.
