@@ -83,22 +83,25 @@ def test_memory_hog_dies_alone(node: NodeProc, sbx: Sandbox) -> None:
 
 def test_fork_bomb_meets_the_process_limit(sbx: Sandbox) -> None:
     assert sbx.commands.run("ulimit -u").stdout.strip() == "256"
-    bomb = sbx.commands.run(
-        "timeout 15 bash -c 'b(){ b|b& }; b' 2>&1 | grep -m1 -o 'Resource temporarily unavailable'",
-        background=True,
-    )
-    # envd keeps answering while the bomb runs
+    # the shell that starts it returns at once; its descendants fork on, orphaned
+    sbx.commands.run("bash -c 'b(){ b|b& }; b' >/tmp/bomb.log 2>&1", timeout=60)
+    # envd keeps answering while the bomb runs (how fast depends on the machine:
+    # a busy 2-core host answered a few calls in these 12 s, a quiet one dozens)
     t0 = time.monotonic()
-    answered = 0
+    busiest = 0
     while time.monotonic() - t0 < 12:
-        assert sbx.commands.run("true", user="root", timeout=60).exit_code == 0
-        answered += 1
-    assert answered >= 3
-    r = bomb.wait()
-    assert "Resource temporarily unavailable" in r.stdout
-    # once it is over (its leftovers killed) the sandbox is as usable as before
+        r = sbx.commands.run("pgrep -c -u user || true", user="root", timeout=60)
+        busiest = max(busiest, int(r.stdout.strip() or 0))
+    assert 100 <= busiest <= 256  # it was at it, up to the limit
+    assert "Resource temporarily unavailable" in sbx.files.read("/tmp/bomb.log")
+    # once it is killed the sandbox is as usable as before
     with contextlib.suppress(CommandExitException):
-        sbx.commands.run("pkill -9 -u user bash; sleep 1", user="root", timeout=60)
+        # (until none is left: a bomb forks again between pkill's reads)
+        sbx.commands.run(
+            "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
+            user="root",
+            timeout=60,
+        )
     assert sbx.commands.run("echo ok").stdout.strip() == "ok"
 
 
