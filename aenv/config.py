@@ -75,6 +75,9 @@ class Config:
     max_sandboxes: int = 256
     default_cpu: int = 2
     default_memory_mb: int = 512
+    # Every sandbox's disk: what it may write (its writable layer and /tmp),
+    # in MiB (AENV_SANDBOX_DISK_MB; 0: unbounded, the host's disk).
+    sandbox_disk_mb: int = 10240
     # The last characters of this node's sandbox IDs (AENV_NODE_TAG), a hint of
     # where a sandbox runs; None: derived from the node's id (`effective_node_tag`).
     node_tag: str | None = None
@@ -289,6 +292,11 @@ class Config:
             if value not in ("keep", "stop"):
                 raise ValueError(f"AENV_ON_STOP must be keep or stop, not {value!r}")
             kw["on_stop"] = value
+        if env.get("AENV_SANDBOX_DISK_MB"):
+            disk = int(env["AENV_SANDBOX_DISK_MB"])
+            if disk != 0 and disk < 64:
+                raise ValueError(f"AENV_SANDBOX_DISK_MB must be 0 or at least 64, not {disk}")
+            kw["sandbox_disk_mb"] = disk
         if env.get("AENV_POOL_SIZE"):
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
         if env.get("AENV_STORE_URL"):
