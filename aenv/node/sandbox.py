@@ -247,6 +247,12 @@ class SandboxHost(Protocol):
     async def collect_layers(self) -> None: ...
 
 
+def disk_mb_of(template: Template, node_default: int) -> int:
+    """The disk size (MiB; 0: unbounded) of a new sandbox of `template`: the
+    template's own where it sets one, else the node's."""
+    return template.sandbox_disk_mb or node_default
+
+
 class SandboxActor:
     def __init__(
         self, node: SandboxHost, sandbox_id: str, template: Template, req: NewSandbox
@@ -267,7 +273,7 @@ class SandboxActor:
         self.cpu_count = req.cpu_count or template.cpu_count
         self.memory_mb = req.memory_mb or template.memory_mb
         # what it may write over its template, for its whole life (MiB; 0: unbounded)
-        self.disk_mb = node.config.sandbox_disk_mb
+        self.disk_mb = disk_mb_of(template, node.config.sandbox_disk_mb)
         self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
         self.started_at = time.time()
@@ -1015,8 +1021,9 @@ class SandboxActor:
     ) -> SandboxActor:
         """A sandbox that starts from a stored snapshot (its image, or a fresh boot)."""
         actor = cls(node, sandbox_id, template, req)
-        if disk_mb is not None:
-            actor.disk_mb = disk_mb
+        if disk_mb is not None and actor.disk_mb > 0:
+            # at least what the snapshot's sandbox had: its files must fit
+            actor.disk_mb = max(actor.disk_mb, disk_mb)
         actor.stack = stack
         actor._resume_image = image
         actor._prior_token = prior_token if image is not None else None
