@@ -117,14 +117,24 @@ def remove_disk(workdir: Path) -> None:
 
 
 def is_disk(path: Path) -> bool:
-    """Whether a loop-mounted ext4 disk is mounted at `path`."""
+    """Whether a disk (`make_disk`) is mounted at `path`."""
     target = Path(os.path.abspath(path))
     return target in disk_mounts()
 
 
 def disk_mounts() -> list[Path]:
-    """Every loop-mounted ext4 file system of this mount namespace."""
-    return list(_loop_mounts())
+    """Every disk `make_disk` mounted (in this mount namespace): loop-mounted
+    ext4 whose file is `disk_image` of its mount point (not, say, a volume's)."""
+    return [mp for mp, dev in _loop_mounts().items() if _backing_file(dev) == disk_image(mp)]
+
+
+def _backing_file(device: str) -> Path | None:
+    name = Path(device).name
+    try:
+        text = Path(f"/sys/block/{name}/loop/backing_file").read_text().strip()
+    except OSError:
+        return None
+    return Path(text.removesuffix(" (deleted)"))
 
 
 def _source_of(workdir: Path) -> str | None:
