@@ -83,6 +83,9 @@ class Config:
     # at least an eighth of the size): the runtime's own memory and the room the
     # in-sandbox OOM killer acts in before the host would kill the whole sandbox.
     memory_headroom_mb: int = 256
+    # Every sandbox's disk: what it may write (its writable layer and /tmp),
+    # in MiB (AENV_SANDBOX_DISK_MB; 0: unbounded, the host's disk).
+    sandbox_disk_mb: int = 10240
     # The last characters of this node's sandbox IDs (AENV_NODE_TAG), a hint of
     # where a sandbox runs; None: derived from the node's id (`effective_node_tag`).
     node_tag: str | None = None
@@ -310,6 +313,11 @@ class Config:
                 if number < least:
                     raise ValueError(f"{name} must be at least {least}, not {number}")
                 kw[attr] = number
+        if env.get("AENV_SANDBOX_DISK_MB"):
+            disk = int(env["AENV_SANDBOX_DISK_MB"])
+            if disk != 0 and disk < 64:
+                raise ValueError(f"AENV_SANDBOX_DISK_MB must be 0 or at least 64, not {disk}")
+            kw["sandbox_disk_mb"] = disk
         if env.get("AENV_POOL_SIZE"):
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
         if env.get("AENV_STORE_URL"):

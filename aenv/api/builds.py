@@ -40,6 +40,8 @@ MAX_ARG = 1024 * 1024
 DEFAULT_LOG_LIMIT = 100
 MAX_LOG_LIMIT = 1000
 LEVELS = ("debug", "info", "warn", "error")
+# bound on a build's `diskSizeMB` (MiB): 16 TiB
+MAX_DISK_MB = 16 << 20
 _HASH = re.compile(r"[0-9a-f]{64}")
 
 bp = Blueprint("builds", __name__)
@@ -193,9 +195,14 @@ async def build_request() -> Response:
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ApiError(400, f"{key} must be an integer from {low} to {high}")
         sizes[key] = value
+    disk = body.get("diskSizeMB")  # aenv's: its sandboxes' disk size (None: the node's)
+    if disk is not None and (
+        not isinstance(disk, int) or isinstance(disk, bool) or not 64 <= disk <= MAX_DISK_MB
+    ):
+        raise ApiError(400, f"diskSizeMB must be an integer from 64 to {MAX_DISK_MB}")
     try:
         b = await node.builds.request(
-            name, cpu_count=sizes["cpuCount"], memory_mb=sizes["memoryMB"]
+            name, cpu_count=sizes["cpuCount"], memory_mb=sizes["memoryMB"], disk_mb=disk
         )
     except InvalidName as e:
         raise ApiError(400, str(e)) from None

@@ -107,6 +107,8 @@ class Build:
     name: str
     cpu_count: int
     memory_mb: int
+    # its template's sandboxes' disk size (MiB); None: the node's
+    disk_mb: int | None = None
     created_at: float = field(default_factory=time.time)
     status: str = "waiting"  # waiting | building | ready | error
     logs: list[BuildLog] = field(default_factory=list)
@@ -263,7 +265,9 @@ class Builds:
     def of_template(self, template_id: str) -> list[Build]:
         return [b for b in self._builds.values() if b.template_id == template_id]
 
-    async def request(self, name: str, *, cpu_count: int, memory_mb: int) -> Build:
+    async def request(
+        self, name: str, *, cpu_count: int, memory_mb: int, disk_mb: int | None = None
+    ) -> Build:
         """Reserve a build of template `name` (raises BuildConflict, InvalidName)."""
         check_name(name, "template name")
         try:
@@ -290,6 +294,7 @@ class Builds:
             name=name,
             cpu_count=cpu_count,
             memory_mb=memory_mb,
+            disk_mb=disk_mb,
         )
         self._builds[build.build_id] = build
         self._trim()
@@ -378,6 +383,7 @@ class Builds:
                     memory_mb=build.memory_mb,
                     start_cmd=spec.start_cmd,
                     ready_cmd=spec.ready_cmd,
+                    sandbox_disk_mb=build.disk_mb,
                 )
             )
             done = True

@@ -726,6 +726,7 @@ class Node:
             "memory": memory,
             "cpuCount": source.cpu_count,
             "memoryMB": source.memory_mb,
+            "diskMB": source.disk_mb,
             "envdToken": source.envd_access_token,
         }
         return await self.services.run(
@@ -770,6 +771,7 @@ class Node:
             prior_token=str(doc.get("envdToken") or ""),
             cpu_count=int(doc.get("cpuCount") or template.cpu_count),
             memory_mb=int(doc.get("memoryMB") or template.memory_mb),
+            disk_mb=None if doc.get("diskMB") is None else int(doc["diskMB"]),
         )
 
     # -- moving paused sandboxes between nodes (a cluster's) ---------------------
@@ -799,6 +801,7 @@ class Node:
             "memory": copy.image is not None,
             "cpuCount": actor.cpu_count,
             "memoryMB": actor.memory_mb,
+            "diskMB": actor.disk_mb,
             "envdToken": actor.envd_access_token,
             "pausedKey": key,
             "sandbox": copy.record,

@@ -252,6 +252,12 @@ class SandboxHost(Protocol):
     async def collect_layers(self) -> None: ...
 
 
+def disk_mb_of(template: Template, node_default: int) -> int:
+    """The disk size (MiB; 0: unbounded) of a new sandbox of `template`: the
+    template's own where it sets one, else the node's."""
+    return template.sandbox_disk_mb or node_default
+
+
 class SandboxActor:
     def __init__(
         self, node: SandboxHost, sandbox_id: str, template: Template, req: NewSandbox
@@ -274,6 +280,8 @@ class SandboxActor:
         self.resume_at_start = False
         self.cpu_count = req.cpu_count or template.cpu_count
         self.memory_mb = req.memory_mb or template.memory_mb
+        # what it may write over its template, for its whole life (MiB; 0: unbounded)
+        self.disk_mb = disk_mb_of(template, node.config.sandbox_disk_mb)
         self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
         self.started_at = time.time()
@@ -469,7 +477,13 @@ class SandboxActor:
                 root = await period.enter_async_context(
                     host.roots.adopt_root(disk)
                     if adoption
-                    else host.roots.open_root(self.stack.lowers(), disk)
+                    else host.roots.open_root(
+                        self.stack.lowers(),
+                        disk,
+                        disk_bytes=self.disk_mb << 20,
+                        # what it wrote before (its pauses, its fork parent's) counts
+                        carried_bytes=sum(layer.size_bytes for layer in self.stack.layers),
+                    )
                 )
                 slot = await period.enter_async_context(
                     host.network.adopt_slot(int(adoption["slot"]))
@@ -865,6 +879,7 @@ class SandboxActor:
             "autoResume": self.auto_resume,
             "cpuCount": self.cpu_count,
             "memoryMB": self.memory_mb,
+            "diskMB": self.disk_mb,
             "startedAt": self.started_at,
             "pausedAt": self.paused_at,
             "remaining": self.lifecycle.remaining or 0.0,
@@ -963,6 +978,7 @@ class SandboxActor:
         actor.started_at = float(doc["startedAt"])
         actor.paused_at = doc.get("pausedAt")
         actor.pause_mode = str(doc["pauseMode"])
+        actor.disk_mb = int(doc.get("diskMB", actor.disk_mb))
         layers = list(doc["layers"])
         actor.stack = (
             node.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
@@ -1009,9 +1025,13 @@ class SandboxActor:
         prior_token: str,
         cpu_count: int,
         memory_mb: int,
+        disk_mb: int | None = None,
     ) -> SandboxActor:
         """A sandbox that starts from a stored snapshot (its image, or a fresh boot)."""
         actor = cls(node, sandbox_id, template, req)
+        if disk_mb is not None and actor.disk_mb > 0:
+            # at least what the snapshot's sandbox had: its files must fit
+            actor.disk_mb = max(actor.disk_mb, disk_mb)
         actor.stack = stack
         actor._resume_image = image
         actor._prior_token = prior_token if image is not None else None
@@ -1039,6 +1059,7 @@ class SandboxActor:
             memory_mb=parent.memory_mb,
         )
         child = cls(parent.node, sandbox_id, parent.template, req)
+        child.disk_mb = parent.disk_mb
         child.stack = stack
         child._resume_image = image
         child._prior_token = parent.envd_access_token

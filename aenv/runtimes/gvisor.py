@@ -58,6 +58,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Where the guest sees SandboxSpec.bundle; equals aenv.storage.bundle.BUNDLE_MOUNT
 # (runtimes may not import storage; a test keeps the two in step).
 BUNDLE_MOUNT = "/opt/aenv"
+# Keeps the guest's /tmp non-empty, so on its root file system (`_prepare_root`).
+TMP_MARKER = ".aenv-tmp-on-disk"
 _CPU_PERIOD_US = 100_000
 _CPU_SHARES = 1024  # per vCPU
 # Deadlines of the stop ladder (seconds).
@@ -419,11 +421,7 @@ class GVisorRuntime:
     def _write_bundle(self, spec: SandboxSpec) -> None:
         self.state_root.mkdir(parents=True, exist_ok=True)
         spec.workdir.mkdir(parents=True, exist_ok=True)
-        for mountpoint in ("opt/aenv", "proc", "dev", "sys"):
-            (spec.rootfs / mountpoint).mkdir(parents=True, exist_ok=True)
-        tmp = spec.rootfs / "tmp"
-        tmp.mkdir(exist_ok=True)
-        os.chmod(tmp, 0o1777)
+        _prepare_root(spec.rootfs)
         config = oci_config(spec, cgroups_path=f"/{self.cgroup_parent}/{spec.sandbox_id}")
         target = spec.workdir / "config.json"
         target.write_text(json.dumps(config, indent=1))
@@ -840,6 +838,54 @@ def _in_private_netfs(cmd: Sequence[str]) -> list[str]:
     """
     script = "mount -t tmpfs -o size=4k aenv-netfs /proc/sys/net && exec " + shlex.join(cmd)
     return ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script]
+
+
+def _prepare_root(rootfs: Path) -> None:
+    """Make the guest's mount points and its /tmp in `rootfs` (blocking).
+
+    The root holds what the sandbox wrote (a restore's, a resume's), so
+    nothing here follows a symbolic link out of it: a component that is one
+    (or not a directory) is left as it is. /tmp gets a marker file, because
+    runsc mounts a tmpfs, memory the sandbox's disk size does not bound, over
+    an empty /tmp at boot; a non-empty one stays on the root file system.
+    """
+    for mountpoint in ("opt/aenv", "proc", "dev", "sys"):
+        fd = _guest_dir(rootfs, mountpoint)
+        if fd is not None:
+            os.close(fd)
+    tmp = _guest_dir(rootfs, "tmp")
+    if tmp is None:
+        return
+    try:
+        os.fchmod(tmp, 0o1777)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        with contextlib.suppress(OSError):
+            os.close(os.open(TMP_MARKER, flags, 0o444, dir_fd=tmp))
+    finally:
+        os.close(tmp)
+
+
+def _guest_dir(rootfs: Path, path: str) -> int | None:
+    """An fd of directory `path` of `rootfs`, made if missing; None if a
+    component is a symbolic link or not a directory."""
+    fd = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in path.split("/"):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+            try:
+                child = os.open(
+                    name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                )
+            except OSError:
+                return None
+            os.close(fd)
+            fd = child
+        fd, out = -1, fd
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _remove_bundle(workdir: Path) -> None:
