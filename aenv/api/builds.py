@@ -1,8 +1,10 @@
 """The E2B template build API: what the SDKs' `Template.build` calls.
 
 `POST /v3/templates` reserves a build (a new template ID for a new name, the
-same one for a rebuild), `GET /templates/{id}/files/{hash}` answers COPY
-uploads (none are taken yet: the build then fails at that step), `POST
+same one for a rebuild), `GET /templates/{id}/files/{hash}` says whether the
+node holds a COPY step's files and, if not, names the signed URL to `PUT`
+them to (`PUT /build-files/{hash}`, `aenv.node.buildfiles`: served by this
+node, content-addressed, resumable, outside the API key check), `POST
 /v2/templates/{id}/builds/{build}` validates the steps and starts the build
 in the background (`aenv.node.builds`), and `GET
 /templates/{id}/builds/{build}/status` and `/logs` report its state and logs.
@@ -14,7 +16,7 @@ BuildLogEntry, BuildStatusReason, TemplateBuildFileUpload).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import trio
@@ -22,6 +24,7 @@ from quart import Blueprint, Response, request
 
 from aenv.api import views
 from aenv.api.common import ApiError, deps, json_response, read_body
+from aenv.node.buildfiles import BadUpload, parse_content_range
 from aenv.node.builds import (
     STEP_TYPES,
     Build,
@@ -41,6 +44,9 @@ DEFAULT_LOG_LIMIT = 100
 MAX_LOG_LIMIT = 1000
 LEVELS = ("debug", "info", "warn", "error")
 _HASH = re.compile(r"[0-9a-f]{64}")
+# Where COPY uploads go (signed URLs; app.py exempts them from the API key
+# check and the request body cap).
+UPLOAD_PREFIX = "/build-files/"
 
 bp = Blueprint("builds", __name__)
 
@@ -80,7 +86,10 @@ def parse_build_start(body: object) -> BuildSpec:
             "fromImageRegistry (registry credentials in the build request) is not supported "
             "by this node: put the credentials in the node's registry auth file instead"
         )
-    if not isinstance(body.get("force", False), bool):
+    force = body.get("force", False)
+    if force is None:
+        force = False
+    if not isinstance(force, bool):
         raise BadBuild("force must be a boolean")
     raw_steps = body.get("steps") or []
     if not isinstance(raw_steps, list):
@@ -101,13 +110,24 @@ def parse_build_start(body: object) -> BuildSpec:
             isinstance(a, str) and len(a) <= MAX_ARG and "\0" not in a for a in args
         ):
             raise BadBuild(f"steps[{i - 1}].args must be a list of strings")
-        steps.append(Step(str(kind), tuple(args)))
+        files_hash = raw.get("filesHash")
+        if files_hash is not None and (
+            not isinstance(files_hash, str) or not _HASH.fullmatch(files_hash)
+        ):
+            raise BadBuild(f"steps[{i - 1}].filesHash must be a lowercase hex SHA-256")
+        if kind == "COPY" and (files_hash is None or len(args) < 2):
+            raise BadBuild(f"steps[{i - 1}]: COPY needs a source, a destination and filesHash")
+        step_force = raw.get("force") or False
+        if not isinstance(step_force, bool):
+            raise BadBuild(f"steps[{i - 1}].force must be a boolean")
+        steps.append(Step(str(kind), tuple(args), files_hash=files_hash, force=step_force))
     return BuildSpec(
         from_image=from_image,
         from_template=from_template,
         steps=tuple(steps),
         start_cmd=_opt_str(body, "startCmd"),
         ready_cmd=_opt_str(body, "readyCmd"),
+        force=force,
     )
 
 
@@ -224,9 +244,42 @@ async def build_files(template_id: str, files_hash: str) -> Response:
             await trio.to_thread.run_sync(node.templates.resolve, template_id)
         except (TemplateNotFound, InvalidName):
             raise ApiError(404, f"template {template_id!r} not found") from None
-    # No uploads are taken: "present" makes the SDK skip the upload, and the
-    # build fails at its COPY step with a clear message.
-    return json_response({"present": True}, 201)
+    files = node.builds.files
+    if await trio.to_thread.run_sync(files.present, files_hash):
+        return json_response({"present": True}, 201)
+    url = f"{request.host_url.rstrip('/')}{UPLOAD_PREFIX}{files_hash}?{files.upload_query(files_hash)}"
+    return json_response({"present": False, "url": url}, 201)
+
+
+async def _body_chunks() -> AsyncIterator[bytes]:
+    async for chunk in request.body:
+        yield chunk
+
+
+@bp.put(f"{UPLOAD_PREFIX}<files_hash>")
+async def build_files_upload(files_hash: str) -> Response:
+    """The upload a files answer points to (signed: no API key)."""
+    files = deps().node.builds.files
+    try:
+        files.path(files_hash)
+        files.check_signature(
+            files_hash, request.args.get("expires", ""), request.args.get("sig", "")
+        )
+        raw_range = request.headers.get("Content-Range")
+        content_range = parse_content_range(raw_range) if raw_range else None
+        whole = await files.receive(files_hash, _body_chunks(), content_range)
+    except BadUpload as e:
+        if e.status in (308, 416):
+            have = await trio.to_thread.run_sync(files.received, files_hash)
+            resp = Response("", status=e.status)
+            if have:
+                resp.headers["Range"] = f"bytes=0-{have - 1}"
+            return resp
+        raise ApiError(e.status, e.message) from None
+    if whole:
+        return Response("", status=200)
+    have = await trio.to_thread.run_sync(files.received, files_hash)
+    return Response("", status=308, headers={"Range": f"bytes=0-{have - 1}"})
 
 
 @bp.post("/v2/templates/<template_id>/builds/<build_id>")
