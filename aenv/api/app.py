@@ -27,6 +27,7 @@ from aenv.api import (
     logs,
     sandboxes,
     snapshots,
+    tags,
     templates,
 )
 from aenv.api.auth import api_key_refusal
@@ -42,6 +43,7 @@ BLUEPRINTS = (
     snapshots.bp,
     templates.bp,
     builds.bp,  # template builds (Template.build)
+    tags.bp,  # template tags, PATCH of templates, default templates
     images.bp,
     exec_ws.bp,  # the exec WebSocket (docs/exec-protocol.md)
     cluster.bp,  # members, each node's own sandboxes, the nodes' links

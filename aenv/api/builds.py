@@ -23,7 +23,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from aenv.api import views
-from aenv.api.common import ApiError, deps, json_response, read_body
+from aenv.api.common import ApiError, deps, error_response, json_response, read_body
 from aenv.node.buildfiles import BadUpload, parse_content_range
 from aenv.node.builds import (
     STEP_TYPES,
@@ -34,6 +34,7 @@ from aenv.node.builds import (
     BuildSpec,
     Step,
 )
+from aenv.node.buildtags import DEFAULT_TAG, BadTag, check_tag
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.storage.templates import TemplateNotFound
@@ -198,9 +199,13 @@ async def build_request() -> Response:
     if not isinstance(name, str) or not name:
         raise ApiError(400, "name is required and must be a string")
     name, _, tag = name.partition(":")
-    tags = body.get("tags")
-    if tag or tags:
-        raise ApiError(400, "template tags are not supported by this node yet")
+    raw_tags = body.get("tags") or []
+    if not isinstance(raw_tags, list) or not all(isinstance(t, str) for t in raw_tags):
+        raise ApiError(400, "tags must be a list of strings")
+    try:
+        tags = tuple(dict.fromkeys(check_tag(t) for t in ([tag] if tag else []) + raw_tags))
+    except BadTag as e:
+        raise ApiError(400, str(e)) from None
     sizes: dict[str, int] = {}
     for key, low, high, default in (
         ("cpuCount", 1, node.limits.max_cpu, node.config.default_cpu),
@@ -215,7 +220,10 @@ async def build_request() -> Response:
         sizes[key] = value
     try:
         b = await node.builds.request(
-            name, cpu_count=sizes["cpuCount"], memory_mb=sizes["memoryMB"]
+            name,
+            cpu_count=sizes["cpuCount"],
+            memory_mb=sizes["memoryMB"],
+            tags=tags or (DEFAULT_TAG,),
         )
     except InvalidName as e:
         raise ApiError(400, str(e)) from None
@@ -228,7 +236,7 @@ async def build_request() -> Response:
             "public": True,
             "names": [b.name],
             "aliases": [b.name],
-            "tags": [],
+            "tags": list(b.tags),
         },
         202,
     )
@@ -274,8 +282,11 @@ async def build_files_upload(files_hash: str) -> Response:
             resp = Response("", status=e.status)
             if have:
                 resp.headers["Range"] = f"bytes=0-{have - 1}"
-            return resp
-        raise ApiError(e.status, e.message) from None
+        else:
+            resp = error_response(e.status, e.message)
+        # the body may be unread: the connection cannot carry another request
+        resp.headers["Connection"] = "close"
+        return resp
     if whole:
         return Response("", status=200)
     have = await trio.to_thread.run_sync(files.received, files_hash)

@@ -23,6 +23,7 @@ Build records live in memory: a node restart forgets builds, not templates.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import posixpath
@@ -45,6 +46,7 @@ from aenv.kit.supervisor import ONE_SHOT, StopToken, Strategy, Supervisor
 from aenv.node.buildcache import FILE_STEPS, BuildCache, CachedStep, chain, final_key
 from aenv.node.buildcopy import CopyError, copy_into
 from aenv.node.buildfiles import BuildFiles
+from aenv.node.buildtags import DEFAULT_TAG, TagNotFound, TagStore
 from aenv.node.envd_client import EnvdClient
 from aenv.node.sandbox import SandboxActor
 from aenv.node.snapshots import Snapshots
@@ -119,6 +121,7 @@ class Build:
     name: str
     cpu_count: int
     memory_mb: int
+    tags: tuple[str, ...] = (DEFAULT_TAG,)
     created_at: float = field(default_factory=time.time)
     status: str = "waiting"  # waiting | building | ready | error
     logs: list[BuildLog] = field(default_factory=list)
@@ -272,6 +275,7 @@ class Builds:
         self._builds: OrderedDict[str, Build] = OrderedDict()
         self.files = BuildFiles(node.config.home / "build-files", node.api_key.encode())
         self.cache = BuildCache(node.snapshots)
+        self.tags = TagStore(node.config.home / "build-tags")
 
     # -- registry --------------------------------------------------------------
 
@@ -284,7 +288,14 @@ class Builds:
     def of_template(self, template_id: str) -> list[Build]:
         return [b for b in self._builds.values() if b.template_id == template_id]
 
-    async def request(self, name: str, *, cpu_count: int, memory_mb: int) -> Build:
+    async def request(
+        self,
+        name: str,
+        *,
+        cpu_count: int,
+        memory_mb: int,
+        tags: tuple[str, ...] = (DEFAULT_TAG,),
+    ) -> Build:
         """Reserve a build of template `name` (raises BuildConflict, InvalidName)."""
         check_name(name, "template name")
         try:
@@ -311,6 +322,7 @@ class Builds:
             name=name,
             cpu_count=cpu_count,
             memory_mb=memory_mb,
+            tags=tags,
         )
         self._builds[build.build_id] = build
         self._trim()
@@ -341,9 +353,37 @@ class Builds:
         )
 
     async def backing(self, snapshot_id: str) -> Template | None:
-        """The template whose sandboxes restore `snapshot_id`, if any."""
+        """The template whose sandboxes restore `snapshot_id` (as its current
+        build or a tagged one), if any."""
         templates = await trio.to_thread.run_sync(self.node.templates.list)
-        return next((t for t in templates if t.snapshot_id == snapshot_id), None)
+        for t in templates:
+            if t.snapshot_id == snapshot_id:
+                return t
+            if snapshot_id in await trio.to_thread.run_sync(self.tags.snapshots, t.template_id):
+                return t
+        return None
+
+    async def tagged(self, name: str) -> Template | None:
+        """The build `name:tag` names (a tag or a build ID); None if `name` is no
+        template of this node. Raises TemplateNotFound for an unknown tag."""
+        base, _, tag = name.rpartition(":")
+        try:
+            current = await trio.to_thread.run_sync(self.node.templates.resolve, base)
+        except (TemplateNotFound, InvalidName):
+            return None
+        if current.snapshot_id is None:  # not built: `busybox:1.36` stays an image
+            return None
+        try:
+            return await trio.to_thread.run_sync(self.tags.resolve, current, tag.lower())
+        except TagNotFound:
+            raise TemplateNotFound(f"template {name!r} not found (no such tag)") from None
+
+    async def drop_snapshots(self, snapshot_ids: set[str] | list[str], *, keep: str | None) -> None:
+        """Delete snapshots a rebuild or a tag change left unused."""
+        for snap in set(snapshot_ids) - {keep}:
+            if await self.backing(snap) is None:
+                with contextlib.suppress(Exception):
+                    await self.node.snapshots.delete(snap)
 
     async def forget_cache(self, template: Template) -> None:
         """Before `template` is deleted: drop the cached build steps made for it
@@ -352,8 +392,10 @@ class Builds:
 
     async def forget_template(self, template: Template) -> None:
         """After `template` was deleted: remove the snapshot it was restored from."""
-        if template.snapshot_id is not None:
-            await self.node.snapshots.delete(template.snapshot_id)
+        held = await trio.to_thread.run_sync(self.tags.drop, template.template_id)
+        for snap in held | ({template.snapshot_id} if template.snapshot_id else set()):
+            with contextlib.suppress(Exception):
+                await self.node.snapshots.delete(snap)
         await self.node.collect_layers()
 
     # -- one build -----------------------------------------------------------
@@ -460,27 +502,58 @@ class Builds:
     ) -> None:
         """Make the template point at `snapshot_id` (made from final key `fkey`)."""
         await self.node.snapshots.update(snapshot_id, buildKey=fkey)
-        env = {**base.env_map, **state.env}
-        template, replaced = await trio.to_thread.run_sync(
-            functools.partial(
-                self.node.templates.put_built,
-                template_id=build.template_id,
+        env = [f"{k}={v}" for k, v in {**base.env_map, **state.env}.items()]
+        tags = list(build.tags)
+        exists = True
+        try:
+            current = await trio.to_thread.run_sync(self.node.templates.resolve, build.template_id)
+        except TemplateNotFound:
+            exists = False
+        replaced: str | None = None
+        if not exists or await trio.to_thread.run_sync(
+            self.tags.default_moves, build.template_id, tags
+        ):
+            template, replaced = await trio.to_thread.run_sync(
+                functools.partial(
+                    self.node.templates.put_built,
+                    template_id=build.template_id,
+                    build_id=build.build_id,
+                    aliases=(build.name,),
+                    base=base,
+                    snapshot_id=snapshot_id,
+                    env=env,
+                    workdir=state.workdir,
+                    user=state.user,
+                    cpu_count=build.cpu_count,
+                    memory_mb=build.memory_mb,
+                    start_cmd=spec.start_cmd,
+                    ready_cmd=spec.ready_cmd,
+                )
+            )
+            current = template
+            self.node.durable.share_template(template)
+        else:  # a tagged build that does not move the default tag
+            template = dataclasses.replace(
+                current,
                 build_id=build.build_id,
-                aliases=(build.name,),
-                base=base,
                 snapshot_id=snapshot_id,
-                env=[f"{k}={v}" for k, v in env.items()],
-                workdir=state.workdir,
-                user=state.user,
-                cpu_count=build.cpu_count,
-                memory_mb=build.memory_mb,
+                rootfs=base.rootfs,
+                image_key=base.image_key,
+                image_ref=base.image_ref,
+                disk_size_mb=base.disk_size_mb,
+                env=tuple(env),
+                workdir=state.workdir or None,
+                user=state.user or None,
                 start_cmd=spec.start_cmd,
                 ready_cmd=spec.ready_cmd,
+                cpu_count=build.cpu_count,
+                memory_mb=build.memory_mb,
+                updated_at=time.time(),
             )
+        gone = await trio.to_thread.run_sync(
+            functools.partial(self.tags.record, template, tags, current=current.build_id)
         )
-        self.node.durable.share_template(template)
-        if replaced not in (None, snapshot_id) and await self.backing(str(replaced)) is None:
-            await self.node.snapshots.delete(str(replaced))
+        await self.drop_snapshots([*gone, *([replaced] if replaced else [])], keep=snapshot_id)
         build.log(f"template {template.template_id} ready", step="finalize")
         build.status = "ready"
 

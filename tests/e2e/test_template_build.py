@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import Sandbox, Template
-from e2b.exceptions import BuildException, SandboxException
+from e2b.exceptions import BuildException, SandboxException, TemplateException
 
 from tests.conftest import NodeProc, requires_node
 from tests.e2e.counter import COUNTER, counts_on
@@ -356,3 +356,89 @@ def test_unchanged_steps_are_cached(node: NodeProc, registry: LocalRegistry) -> 
     assert not any("CACHED" in m for m in forced)
     assert read("/a.txt") != a
     assert delete_template(node, "built-cache") == 204
+
+
+def test_tags_name_builds_and_sandboxes_start_from_them(
+    node: NodeProc, registry: LocalRegistry
+) -> None:
+    img = push_busybox(registry, "build-tags", "1")
+
+    def version(v: str) -> Template:
+        return Template().from_image(img.ref).run_cmd(f"echo {v} > /v.txt")
+
+    def started(name: str) -> str:
+        s = Sandbox.create(name, timeout=60)
+        try:
+            return s.files.read("/v.txt").strip()
+        finally:
+            s.kill()
+
+    first = Template.build(version("one"), "built-tags:v1")
+    assert first.tags == ["v1"]
+    second = Template.build(version("two"), "built-tags", tags=["v2", "default"])
+    assert sorted(second.tags) == ["default", "v2"]
+    third = Template.build(version("three"), "built-tags:canary")
+    assert started("built-tags") == "two"  # the bare name is the default tag
+    assert started("built-tags:default") == "two"
+    assert started("built-tags:v1") == "one"
+    assert started("built-tags:canary") == "three"
+    assert started(f"built-tags:{third.build_id}") == "three"  # a build by its ID
+
+    info = Template.assign_tags("built-tags:v1", ["stable", "prod"])
+    assert info.build_id == first.build_id and sorted(info.tags) == ["prod", "stable"]
+    assert started("built-tags:stable") == "one"
+    Template.assign_tags("built-tags:canary", "stable")  # a tag moves
+    assert started("built-tags:stable") == "three"
+    by_tag = {t.tag: t.build_id for t in Template.get_tags("built-tags")}
+    assert by_tag == {
+        "canary": third.build_id,
+        "default": second.build_id,
+        "prod": first.build_id,
+        "stable": third.build_id,
+        "v1": first.build_id,
+        "v2": second.build_id,
+    }
+    Template.remove_tags("built-tags", ["v1", "prod"])
+    with pytest.raises(SandboxException):
+        Sandbox.create("built-tags:v1", timeout=30)
+    with pytest.raises(TemplateException):
+        Template.remove_tags("built-tags", "nope")
+    with api(node) as c:
+        tid = first.template_id
+        assert c.get(f"/templates/{tid}/tags/count").json() == {"total": 4}
+        assert c.get(f"/templates/{tid}/tags/exists", params={"tag": "STABLE"}).json() == {
+            "exists": True,
+            "normalizedTag": "stable",
+        }
+        groups = c.get(f"/templates/{tid}/tags/groups").json()["tags"]
+        stable = next(g for g in groups if g["tag"] == "stable")
+        assert [a["buildID"] for a in stable["assignments"]] == [
+            third.build_id,
+            first.build_id,
+        ]
+        hist = c.get(f"/templates/{tid}/tags/stable/assignments").json()
+        assert hist["data"][0]["buildID"] == third.build_id and hist["nextCursor"] is None
+    # the first build is named by no tag any more: its snapshot went
+    assert delete_template(node, "built-tags") == 204
+    with pytest.raises(SandboxException):
+        Sandbox.create("built-tags:canary", timeout=30)
+
+
+def test_patch_default_templates_and_snapshots_list(node: NodeProc) -> None:
+    info = Template.build(Template().from_template("base").run_cmd("true"), "built-patch")
+    with api(node) as c:
+        r = c.patch(f"/templates/{info.template_id}", json={"public": False})
+        assert r.status_code == 200
+        assert c.get(f"/templates/{info.template_id}").json()["public"] is False
+        r = c.patch("/v2/templates/built-patch", json={"public": True})
+        assert r.status_code == 200 and r.json() == {"names": ["built-patch"]}
+        assert c.get("/templates/aliases/built-patch").json()["public"] is True
+        assert c.patch("/v2/templates/nope", json={"public": True}).status_code == 404
+        assert c.patch("/templates/built-patch", json={"public": "no"}).status_code == 400
+        defaults = c.get("/default-templates").json()
+        assert {"base", "busybox"} <= {t["templateID"] for t in defaults}
+        assert all(t["isDefault"] for t in defaults)
+        # cached build steps and templates' own snapshots are not the user's
+        listed = c.get("/snapshots").json()
+        assert all(not any(n.startswith("~") for n in d.get("names", [])) for d in listed)
+    assert delete_template(node, "built-patch") == 204
