@@ -445,7 +445,10 @@ class Builds:
                     done = True
                     return
             req = NewSandbox(
-                template=base.template_id,
+                # a built base by its build: a tagged one need not be the current
+                template=f"{base.template_id}:{base.build_id}"
+                if base.snapshot_id is not None
+                else base.template_id,
                 timeout_s=BUILD_SANDBOX_TIMEOUT_S,
                 metadata={"aenv.build": build.build_id},
                 cpu_count=build.cpu_count,

@@ -384,6 +384,15 @@ def test_tags_name_builds_and_sandboxes_start_from_them(
     assert started("built-tags:canary") == "three"
     assert started(f"built-tags:{third.build_id}") == "three"  # a build by its ID
 
+    derived = Template().from_template("built-tags:v1").run_cmd("cat /v.txt > /w.txt")
+    Template.build(derived, "built-tags-derived")
+    s = Sandbox.create("built-tags-derived", timeout=60)
+    try:
+        assert s.files.read("/w.txt") == "one\n"  # built on the v1 build
+    finally:
+        s.kill()
+    assert delete_template(node, "built-tags-derived") == 204
+
     info = Template.assign_tags("built-tags:v1", ["stable", "prod"])
     assert info.build_id == first.build_id and sorted(info.tags) == ["prod", "stable"]
     assert started("built-tags:stable") == "one"
