@@ -103,7 +103,7 @@ async def remove_tags() -> Response:
 async def _tags(template_id: str) -> list[dict[str, Any]]:
     t = await _built(template_id)
     tags = await trio.to_thread.run_sync(deps().node.builds.tags.tags, t.template_id)
-    if not any(x["tag"] == DEFAULT_TAG for x in tags):  # a build from before tags
+    if not tags:  # a template built before tags: its build is the default
         when = t.updated_at
         tags.append(
             {
