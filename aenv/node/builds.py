@@ -69,6 +69,17 @@ MAX_LOG_ENTRIES = 20_000
 MAX_LINE = 8192
 MAX_FINISHED_BUILDS = 200
 STEP_TYPES = frozenset({"RUN", "ENV", "WORKDIR", "USER", "COPY"})
+# E2B's default user: every E2B template has it, and the SDKs end a
+# Dockerfile's steps with `USER user`; a build from an image that lacks it
+# creates it (home /home/user), as E2B's own template builds do.
+E2B_USER = "user"
+_ENSURE_E2B_USER = (
+    "id -u user >/dev/null 2>&1 || useradd -m -s /bin/sh user 2>/dev/null"
+    " || adduser -D -h /home/user -s /bin/sh user 2>/dev/null"
+    " || { echo 'user:x:1000:1000::/home/user:/bin/sh' >> /etc/passwd"
+    " && echo 'user:x:1000:' >> /etc/group && mkdir -p /home/user"
+    " && chown 1000:1000 /home/user; }"
+)
 
 
 class BuildNotFound(LookupError):
@@ -626,14 +637,14 @@ class Builds:
         """The template the build starts from and its cache key. A base image
         that is a bare name of one of this node's templates is that template."""
         name = spec.from_template
-        if (
-            name is None
-            and spec.from_image is not None
-            and not any(c in spec.from_image for c in "/:@")
-        ):
+        image = spec.from_image
+        if name is None and image is not None and not any(c in image for c in "/@"):
             with contextlib.suppress(TemplateNotFound, InvalidName):
-                await trio.to_thread.run_sync(self.node.templates.resolve, spec.from_image)
-                name = spec.from_image
+                if ":" not in image:
+                    await trio.to_thread.run_sync(self.node.templates.resolve, image)
+                    name = image
+                elif await self.tagged(image) is not None:  # `FROM app:v1`, a built one
+                    name = image
         try:
             if name is not None:
                 build.log(f"using template {name}", step="base")
@@ -672,6 +683,8 @@ class Builds:
             if len(args) != 1 or not args[0]:
                 raise StepFailed(step, f"{what}: needs one user name")
             user = args[0].partition(":")[0]
+            if user == E2B_USER:  # E2B's templates all have it; an image may not
+                await self._exec(build, actor, state, step, _ENSURE_E2B_USER, "root", quiet=True)
             await self._exec(build, actor, state, step, ":", user, quiet=True)
             state.user = user
         elif s.type == "RUN":

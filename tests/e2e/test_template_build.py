@@ -384,11 +384,13 @@ def test_tags_name_builds_and_sandboxes_start_from_them(
     assert started("built-tags:canary") == "three"
     assert started(f"built-tags:{third.build_id}") == "three"  # a build by its ID
 
-    derived = Template().from_template("built-tags:v1").run_cmd("cat /v.txt > /w.txt")
+    derived = Template().from_dockerfile("FROM built-tags:v1\nRUN cat /v.txt > /w.txt")
     Template.build(derived, "built-tags-derived")
     s = Sandbox.create("built-tags-derived", timeout=60)
     try:
         assert s.files.read("/w.txt") == "one\n"  # built on the v1 build
+        # a Dockerfile ends as E2B's user, made for an image that lacks it
+        assert s.commands.run("whoami; pwd").stdout == "user\n/home/user\n"
     finally:
         s.kill()
     assert delete_template(node, "built-tags-derived") == 204

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from e2b.template.utils import tar_file_stream
 
+from aenv.api.builds import BadBuild, parse_build_start
 from aenv.node.buildcache import chain, final_key
 from aenv.node.buildcopy import CopyError, matches, read_members, script
 from aenv.node.buildfiles import BadUpload, BuildFiles, ContentRange, parse_content_range
@@ -214,3 +215,10 @@ def test_tags_move_resolve_and_release_builds(tmp_path: Path) -> None:
     with pytest.raises(BadTag):
         check_tag("no spaces")
     assert tags.drop("tpl") == {"s2"}
+
+
+def test_a_tagged_base_template_is_accepted() -> None:
+    spec = parse_build_start({"fromTemplate": "app:v1", "steps": []})
+    assert spec.from_template == "app:v1"
+    with pytest.raises(BadBuild):
+        parse_build_start({"fromTemplate": "app:bad tag", "steps": []})
