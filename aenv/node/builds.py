@@ -74,11 +74,14 @@ STEP_TYPES = frozenset({"RUN", "ENV", "WORKDIR", "USER", "COPY"})
 # creates it (home /home/user), as E2B's own template builds do.
 E2B_USER = "user"
 _ENSURE_E2B_USER = (
-    "id -u user >/dev/null 2>&1 || useradd -m -s /bin/sh user 2>/dev/null"
-    " || adduser -D -h /home/user -s /bin/sh user 2>/dev/null"
-    " || { echo 'user:x:1000:1000::/home/user:/bin/sh' >> /etc/passwd"
-    " && echo 'user:x:1000:' >> /etc/group && mkdir -p /home/user"
-    " && chown 1000:1000 /home/user; }"
+    "id -u user >/dev/null 2>&1 || {"
+    " uid=$(awk -F: 'BEGIN {m = 999} $3 > m && $3 < 60000 {m = $3} END {print m + 1}'"
+    " /etc/passwd);"
+    " useradd -m -u $uid -s /bin/sh user 2>/dev/null"
+    " || adduser -D -u $uid -h /home/user -s /bin/sh user 2>/dev/null"
+    ' || { echo "user:x:$uid:$uid::/home/user:/bin/sh" >> /etc/passwd'
+    ' && echo "user:x:$uid:" >> /etc/group && mkdir -p /home/user'
+    " && chown $uid:$uid /home/user; }; }"
 )
 
 
