@@ -36,8 +36,19 @@ def chain(parent: str, *parts: object) -> str:
     return h.hexdigest()
 
 
-def final_key(last: str, *, template_id: str, start_cmd: str | None, ready_cmd: str | None) -> str:
-    return chain(last, "finalize", template_id, start_cmd or "", ready_cmd or "")
+def final_key(
+    last: str,
+    *,
+    template_id: str,
+    start_cmd: str | None,
+    ready_cmd: str | None,
+    cpu_count: int = 0,
+    memory_mb: int = 0,
+) -> str:
+    """The key of a build's final snapshot: its memory image is of that size."""
+    return chain(
+        last, "finalize", template_id, start_cmd or "", ready_cmd or "", cpu_count, memory_mb
+    )
 
 
 @dataclass(frozen=True)

@@ -445,6 +445,8 @@ class Builds:
                 template_id=build.template_id,
                 start_cmd=spec.start_cmd,
                 ready_cmd=spec.ready_cmd,
+                cpu_count=build.cpu_count,
+                memory_mb=build.memory_mb,
             )
             rest = spec.steps[done_upto:]
             if not spec.force and all(s.type in ("ENV", "USER") and not s.force for s in rest):

@@ -175,6 +175,7 @@ def test_cache_keys_chain_every_input() -> None:
     assert chain(chain("image", "sha256:abd"), "RUN", ("echo",), None) != k
     f = final_key(k, template_id="t", start_cmd=None, ready_cmd=None)
     assert f != final_key(k, template_id="t", start_cmd="srv", ready_cmd=None)
+    assert f != final_key(k, template_id="t", start_cmd=None, ready_cmd=None, memory_mb=512)
 
 
 def built(build_id: str, snap: str) -> Template:
