@@ -12,7 +12,8 @@ and readable as a tar archive. It is resumable: a `PUT` with `Content-Range:
 bytes START-END/TOTAL` appends at START when START is what the node already
 holds (else 416 with the received range in `Range`), and `Content-Range:
 bytes */TOTAL` asks how much arrived (308 with `Range`), as resumable
-uploads to object stores work. The methods with blocking file work are
+uploads to object stores work. Archives beyond 8 GiB in all go, least
+recently used first, after builds. The methods with blocking file work are
 called from worker threads.
 """
 
@@ -35,6 +36,7 @@ __all__ = ["BadUpload", "BuildFiles", "ContentRange", "parse_content_range"]
 
 HASH_RE = re.compile(r"[0-9a-f]{64}")
 UPLOAD_URL_TTL_S = 3600
+MAX_BYTES = 8 << 30  # archives kept, least recently used first out
 _RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _STATUS_RE = re.compile(r"bytes \*/(\d+|\*)")
 
@@ -98,6 +100,32 @@ class BuildFiles:
             return self._part(files_hash).stat().st_size
         except FileNotFoundError:
             return 0
+
+    def touch(self, files_hash: str) -> None:
+        """Mark an archive used (trimming keeps the recently used)."""
+        os.utime(self.path(files_hash))
+
+    def trim(self, max_bytes: int = MAX_BYTES, *, keep: frozenset[str] = frozenset()) -> list[str]:
+        """Remove the least recently used archives beyond `max_bytes` (not those
+        in `keep`, nor unfinished uploads); their hashes."""
+        entries = []
+        for p in self.root.glob("*.tar"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
+        gone: list[str] = []
+        for _, size, p in sorted(entries):
+            if total <= max_bytes:
+                break
+            if p.stem in keep:
+                continue
+            p.unlink(missing_ok=True)
+            total -= size
+            gone.append(p.stem)
+        return gone
 
     # -- signed upload URLs --------------------------------------------------
 

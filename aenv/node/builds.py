@@ -290,6 +290,7 @@ class Builds:
         self.files = BuildFiles(node.config.home / "build-files", node.api_key.encode())
         self.cache = BuildCache(node.snapshots)
         self.tags = TagStore(node.config.home / "build-tags")
+        self._specs: dict[Build, BuildSpec] = {}  # started builds, until they end
 
     # -- registry --------------------------------------------------------------
 
@@ -353,9 +354,13 @@ class Builds:
         if spec.from_template in (build.template_id, build.name):
             raise BuildConflict("a template cannot be built from itself")
         build.status = "building"
+        self._specs[build] = spec
 
         async def run(_stop: StopToken) -> None:
-            await self._run(build, spec)
+            try:
+                await self._run(build, spec)
+            finally:
+                self._specs.pop(build, None)
 
         self._services.start_soon(
             f"build {build.build_id}",
@@ -508,6 +513,17 @@ class Builds:
                 with trio.move_on_after(30):
                     with contextlib.suppress(Exception):
                         await self.cache.trim()
+                    in_use = frozenset(
+                        st.files_hash
+                        for b, sp in self._specs.items()
+                        if not b.finished
+                        for st in sp.steps
+                        if st.files_hash
+                    )
+                    with contextlib.suppress(Exception):
+                        await trio.to_thread.run_sync(
+                            functools.partial(self.files.trim, keep=in_use)
+                        )
                     await self.node.collect_layers()
 
     async def _record(
@@ -714,6 +730,7 @@ class Builds:
             except ValueError:
                 raise StepFailed(step, f"step {step} (COPY): invalid mode {s.args[3]!r}") from None
         archive: Path = self.files.path(s.files_hash or "")
+        await trio.to_thread.run_sync(self.files.touch, s.files_hash or "")
         try:
             cmd = await copy_into(actor, archive, [(src, dest, owner, mode)], workdir=state.workdir)
         except CopyError as exc:

@@ -223,3 +223,17 @@ def test_a_tagged_base_template_is_accepted() -> None:
     assert spec.from_template == "app:v1"
     with pytest.raises(BadBuild):
         parse_build_start({"fromTemplate": "app:bad tag", "steps": []})
+
+
+def test_archives_beyond_the_bound_go_least_recently_used_first(tmp_path: Path) -> None:
+    files = BuildFiles(tmp_path / "files", b"key")
+    hashes = [hashlib.sha256(bytes([i])).hexdigest() for i in range(4)]
+    for i, h in enumerate(hashes[:3]):
+        files.path(h).write_bytes(b"x" * 100)
+        os.utime(files.path(h), (1000 + i, 1000 + i))
+    os.utime(files.path(hashes[0]), (2000, 2000))  # used lately (touch)
+    (files.root / f"{hashes[3]}.part").write_bytes(b"y" * 1000)  # an upload under way
+    gone = files.trim(250, keep=frozenset({hashes[1]}))
+    assert gone == [hashes[2]]  # the oldest not kept; 300 -> 200 bytes
+    assert files.present(hashes[0]) and files.present(hashes[1])
+    assert files.received(hashes[3]) == 1000
