@@ -73,8 +73,9 @@ async def assign_tags() -> Response:
         )
     except TagNotFound as e:
         if source in ("", DEFAULT_TAG):  # a build from before tags: its current one
-            build_id = await trio.to_thread.run_sync(
-                lambda: builds.tags.assign(t.template_id, t.build_id, tags, current=t.build_id)
+            build_id = t.build_id
+            await trio.to_thread.run_sync(
+                lambda: builds.tags.record(t, [DEFAULT_TAG, *tags], current=t.build_id)
             )
         else:
             raise ApiError(404, str(e)) from None

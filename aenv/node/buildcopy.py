@@ -21,7 +21,7 @@ import re
 import secrets
 import shlex
 import tarfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,7 +212,7 @@ def script(
 
 def _multipart(
     archive: Path, staging: str, boundary: str, extra: dict[str, bytes]
-) -> Iterator[bytes]:
+) -> Generator[bytes, None, None]:
     """The multipart/form-data body of the archive's regular files (as parts
     named by their staging path) and the `extra` files (blocking)."""
 
@@ -281,17 +281,20 @@ async def copy_into(
                 return
             yield chunk
 
-    resp = await client.post(
-        f"http://{actor.sandbox_ip}:{ENVD_PORT}/files",
-        params={"username": "root"},
-        headers={
-            "x-access-token": actor.envd_access_token,
-            "content-type": f"multipart/form-data; boundary={boundary}",
-            "connection": "close",
-        },
-        content=stream(),
-        timeout=600,
-    )
+    try:
+        resp = await client.post(
+            f"http://{actor.sandbox_ip}:{ENVD_PORT}/files",
+            params={"username": "root"},
+            headers={
+                "x-access-token": actor.envd_access_token,
+                "content-type": f"multipart/form-data; boundary={boundary}",
+                "connection": "close",
+            },
+            content=stream(),
+            timeout=600,
+        )
+    finally:
+        parts.close()  # the archive is closed also when the upload broke off
     if resp.status_code != 200:
         raise CopyError(
             f"staging the files failed: envd answered {resp.status_code} {resp.text[:200]}"
