@@ -540,6 +540,11 @@ class Node:
         gets a template of its own (`img-` and its digest) so sandboxes started
         from it can be paused, snapshotted and forked like any other.
         """
+        tagged = await self.builds.tagged(name) if ":" in name else None
+        if tagged is not None:  # `name:tag` of a built template (aenv.node.buildtags)
+            if tagged.image_key is not None:
+                await self.images.prepare(tagged.image_key)
+            return tagged
         try:
             template = await trio.to_thread.run_sync(self.templates.resolve, name)
         except (TemplateNotFound, InvalidName) as not_template:

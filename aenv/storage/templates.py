@@ -17,6 +17,7 @@ methods do blocking filesystem work: call them from a worker thread
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import json
@@ -682,6 +683,17 @@ class TemplateStore:
         """Record the digest of the template's root filesystem index (its content)."""
         with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
             write_atomic(self.root / check_name(template_id) / ROOTFS_INDEX_FILE, digest.encode())
+
+    def set_public(self, name_or_id: str, public: bool) -> Template:
+        """Make a template public or team-only (`PATCH /templates/{id}`)."""
+        with self._locked():
+            template = self.resolve(name_or_id)
+            if template.public != public:
+                template = dataclasses.replace(template, public=public, updated_at=time.time())
+                _write_json_atomic(
+                    self.root / template.template_id / METADATA_FILE, template.to_json()
+                )
+        return template
 
     def delete(self, name_or_id: str) -> None:
         """Remove a template (by ID or alias) and its root filesystem."""
