@@ -14,9 +14,12 @@ really went.
 from __future__ import annotations
 
 import ipaddress
+import os
 import secrets
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -97,6 +100,12 @@ def fetch(sbx: Sandbox, url: str, *, to: str | None = None, header: str | None =
     return r.stdout.strip()
 
 
+def cli_env(config: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+    env["XDG_CONFIG_HOME"] = str(config)
+    return env
+
+
 def allowed(out: str, ip: str) -> bool:
     return out.startswith(f"from {ip} ")
 
@@ -107,7 +116,7 @@ def egress_log(node: NodeProc, sandbox_id: str) -> list[dict[str, str]]:
     return [e["fields"] for e in r.json()["logs"] if e["fields"].get("kind") == "egress"]
 
 
-def test_only_named_hosts(enode: NodeProc, internet: Internet) -> None:
+def test_only_named_hosts(enode: NodeProc, internet: Internet, tmp_path: Path) -> None:
     s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
     try:
         out = fetch(s, "https://allowed.test/")
@@ -135,6 +144,17 @@ def test_only_named_hosts(enode: NodeProc, internet: Internet) -> None:
         assert any(int(e["bytesIn"]) > 0 for e in log if e["verdict"] == "allowed")
         metrics = httpx.get(f"{enode.url}/metrics", headers={"X-API-Key": enode.api_key}).text
         assert 'aenv_egress_connections_total{proto="tls",verdict="allowed"}' in metrics
+        cli = subprocess.run(
+            [sys.executable, "-m", "aenv", "logs", s.sandbox_id, "--egress", "--output", "table"],
+            env={**cli_env(tmp_path), "AENV_URL": enode.url, "AENV_API_KEY": enode.api_key},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0, cli.stderr
+        rows = cli.stdout.splitlines()
+        assert rows[0].split()[:4] == ["TIME", "VERDICT", "HOST", "ADDRESS"]
+        assert any("denied" in r and "other.test" in r for r in rows[1:])
     finally:
         s.kill()
 
