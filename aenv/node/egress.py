@@ -208,16 +208,28 @@ class PassThrough:
     async def run(
         self, client: trio.SocketStream, head: bytes, target: tuple[str, int], done: Transfer
     ) -> None:
-        with trio.fail_after(CONNECT_TIMEOUT_S):
-            upstream = await trio.open_tcp_stream(*target)
+        upstream = await _dial(target)
         async with upstream:
-            _nodelay(upstream)
             if head:
                 await upstream.send_all(head)
                 done.bytes_out += len(head)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_copy, client, upstream, done, "bytes_out")
                 nursery.start_soon(_copy, upstream, client, done, "bytes_in")
+
+
+async def _dial(target: tuple[str, int]) -> trio.SocketStream:
+    """A TCP connection to the IPv4 `target`, Nagle off (no name lookup: the
+    address is the one the sandbox dialled)."""
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            await sock.connect(target)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
 
 
 async def _copy(src: trio.SocketStream, dst: trio.SocketStream, done: Transfer, what: str) -> None:
