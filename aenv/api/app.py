@@ -23,6 +23,7 @@ from aenv.api import (
     images,
     logs,
     sandboxes,
+    secrets,
     snapshots,
     templates,
 )
@@ -42,6 +43,7 @@ BLUEPRINTS = (
     images.bp,
     exec_ws.bp,  # the exec WebSocket (docs/exec-protocol.md)
     cluster.bp,  # members, each node's own sandboxes, the nodes' links
+    secrets.bp,  # write-only secret values (Secret)
 )
 
 

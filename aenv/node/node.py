@@ -94,6 +94,7 @@ from aenv.runtimes.netns import NetSlot, network_metrics, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import OverlayRoots
+from aenv.storage.secrets import SecretStore
 from aenv.storage.templates import (
     Template,
     TemplateConflict,
@@ -179,6 +180,8 @@ class Node:
         self.layers = LayerStore(config.home / "layers")
         self.meta = Metadata(MetadataStore(config.home / "aenv.db"))
         self.snapshots = Snapshots(config.home / "snapshots", self.meta)
+        # `/secrets`: write-only values, encrypted under the node's key
+        self.secrets = SecretStore(config.secrets_dir / "values")
         self.api_key = api_key
         self.limits = Limits(
             max_timeout_s=config.max_timeout_s,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, Secret, SecretException
 
 from tests.conftest import (
     NET_PREFIX,
@@ -273,3 +273,30 @@ def test_rules_survive_a_node_restart(internet: Internet, tmp_path: Path) -> Non
         left = leaks(private, prefix)
         assert code == 0, n.log_tail()
         assert not left, left
+
+
+def test_secrets_through_the_sdk(enode: NodeProc) -> None:
+    value = "sk-test-" + secrets.token_hex(16)
+    info = Secret.create("Egress-Test-Key", value, metadata={"owner": "tests"})
+    try:
+        assert info.name == "egress-test-key" and info.version == 1
+        assert Secret.get_info("egress-test-key").secret_id == info.secret_id
+        assert Secret.exists(info.secret_id)
+        updated = Secret.update(info.secret_id, value + "-2")
+        assert updated.version == 2 and updated.metadata == {"owner": "tests"}
+        listed = Secret.list().next_items()
+        assert [s.secret_id for s in listed if s.name == "egress-test-key"] == [info.secret_id]
+        with pytest.raises(SecretException):
+            Secret.create("egress-test-key", "again")
+        assert Secret.fill("egress-test-key") == "${e2b.secrets.egress-test-key}"
+        # the value is never returned, logged or stored in clear
+        headers = {"X-API-Key": enode.api_key}
+        for path in ("/secrets", f"/secrets/{info.secret_id}"):
+            assert value not in httpx.get(enode.url + path, headers=headers).text
+        assert value not in enode.log_path.read_text(errors="replace")
+        stored = b"".join(p.read_bytes() for p in (enode.home / "secrets" / "values").iterdir())
+        assert value.encode() not in stored
+    finally:
+        assert Secret.destroy(info.secret_id)
+    assert not Secret.exists(info.secret_id)
+    assert Secret.destroy(info.secret_id) is False
