@@ -300,3 +300,28 @@ def test_secrets_through_the_sdk(enode: NodeProc) -> None:
         assert Secret.destroy(info.secret_id)
     assert not Secret.exists(info.secret_id)
     assert Secret.destroy(info.secret_id) is False
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_npm_sdk(enode: NodeProc, internet: Internet) -> None:
+    js = Path(__file__).resolve().parent.parent / "js"
+    if not (js / "node_modules" / "e2b").is_dir():
+        pytest.skip("npm e2b not installed (make test installs it)")
+    env = dict(
+        os.environ,
+        E2B_API_URL=enode.url,
+        E2B_SANDBOX_URL=enode.url,
+        E2B_API_KEY=enode.api_key,
+        EGRESS_CA=internet.ca_pem.read_text(),
+        EGRESS_ALLOWED_IP=NAMES["allowed.test"][0],
+        EGRESS_OTHER_IP=NAMES["other.test"][0],
+    )
+    r = subprocess.run(
+        ["node", "--test", "egress.test.mjs"],
+        cwd=js,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
