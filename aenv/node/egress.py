@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import ipaddress
 import itertools
 import logging
+import os
 import socket
 import struct
 import time
@@ -57,7 +59,8 @@ SO_ORIGINAL_DST: Final = 80  # linux/netfilter_ipv4.h
 SNIFF_TIMEOUT_S: Final = 10.0
 CONNECT_TIMEOUT_S: Final = 10.0
 RESOLVE_TIMEOUT_S: Final = 3.0
-BUFSIZE: Final = 256 * 1024
+PIPE_SIZE: Final = 1024 * 1024  # splice(2) pipe between the two sockets
+F_SETPIPE_SZ: Final = 1031  # linux/fcntl.h
 MAX_CONNECTIONS: Final = 4096
 # bounds on how long a resolver's answer is trusted (s)
 MIN_TTL_S: Final = 1.0
@@ -127,6 +130,8 @@ class Resolver:
         self._servers = [_host_port(s, 53) for s in servers]
         self._fallback_ttl = fallback_ttl_s
         self._cache: dict[str, tuple[float, frozenset[str]]] = {}
+        # address -> {name: until when the name's answer holds}
+        self._names: dict[str, dict[str, float]] = {}
         self._ids = itertools.count(1)
         self.lookups = 0
         self.failures = 0
@@ -147,8 +152,17 @@ class Resolver:
         found = frozenset(addrs)
         if len(self._cache) > 10_000:
             self._cache.clear()
-        self._cache[name] = (now + min(max(ttl, MIN_TTL_S), MAX_TTL_S), found)
+            self._names.clear()
+        until = now + min(max(ttl, MIN_TTL_S), MAX_TTL_S)
+        self._cache[name] = (until, found)
+        for ip in found:
+            self._names.setdefault(ip, {})[name] = until
         return found
+
+    def names_of(self, ip: str) -> list[str]:
+        """The names whose cached answers hold `ip` now (no lookup)."""
+        now = trio.current_time()
+        return [n for n, until in self._names.get(ip, {}).items() if until > now]
 
     async def _lookup(self, name: str) -> tuple[tuple[str, ...], float]:
         if not self._servers:
@@ -195,10 +209,17 @@ class Relay(Protocol):
     """How an allowed connection is carried to its destination."""
 
     async def run(
-        self, client: trio.SocketStream, head: bytes, target: tuple[str, int], done: Transfer
+        self,
+        client: trio.SocketStream,
+        head: bytes,
+        target: tuple[str, int],
+        done: Transfer,
+        *,
+        upstream: trio.SocketStream | None = None,
     ) -> None:
         """Carry `client` (whose first bytes, `head`, were read already) to
-        `target`, counting bytes into `done`, until both sides are finished."""
+        `target` (over `upstream` when it is dialled already), counting bytes
+        into `done`, until both sides are finished."""
         ...
 
 
@@ -206,16 +227,61 @@ class PassThrough:
     """Dial the destination and copy bytes both ways, untouched (TLS stays end to end)."""
 
     async def run(
-        self, client: trio.SocketStream, head: bytes, target: tuple[str, int], done: Transfer
+        self,
+        client: trio.SocketStream,
+        head: bytes,
+        target: tuple[str, int],
+        done: Transfer,
+        *,
+        upstream: trio.SocketStream | None = None,
     ) -> None:
-        upstream = await _dial(target)
+        if upstream is None:
+            upstream = await _dial(target)
         async with upstream:
             if head:
                 await upstream.send_all(head)
                 done.bytes_out += len(head)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_copy, client, upstream, done, "bytes_out")
-                nursery.start_soon(_copy, upstream, client, done, "bytes_in")
+                both = nursery.cancel_scope
+                nursery.start_soon(_copy, client, upstream, done, "bytes_out", both)
+                nursery.start_soon(_copy, upstream, client, done, "bytes_in", both)
+
+
+class _EarlyDial:
+    """A dial started while the client's first bytes are still being read.
+
+    Started only for an address the node's resolver gave, moments ago, for a
+    name the policy allows (`EgressProxy._serve_one`): the handshake then
+    overlaps the wait for the ClientHello. Discarded (never written to) when
+    the connection is refused after all."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.scope = trio.CancelScope()
+        self.finished = trio.Event()
+        self.stream: trio.SocketStream | None = None
+        self.error: OSError | trio.TooSlowError | None = None
+
+    async def run(self) -> None:
+        with self.scope:
+            try:
+                self.stream = await _dial(self.target)
+            except (OSError, trio.TooSlowError) as exc:
+                self.error = exc
+        self.finished.set()
+
+    async def result(self) -> trio.SocketStream:
+        await self.finished.wait()
+        if self.error is not None:
+            raise self.error
+        if self.stream is None:
+            raise OSError("the early dial was cancelled")
+        return self.stream
+
+    async def discard(self) -> None:
+        self.scope.cancel()
+        if self.stream is not None:
+            await trio.aclose_forcefully(self.stream)
 
 
 async def _dial(target: tuple[str, int]) -> trio.SocketStream:
@@ -232,17 +298,48 @@ async def _dial(target: tuple[str, int]) -> trio.SocketStream:
     return trio.SocketStream(sock)
 
 
-async def _copy(src: trio.SocketStream, dst: trio.SocketStream, done: Transfer, what: str) -> None:
+async def _copy(
+    src: trio.SocketStream,
+    dst: trio.SocketStream,
+    done: Transfer,
+    what: str,
+    both: trio.CancelScope,
+) -> None:
+    """Move bytes from `src` to `dst` until `src` ends, then end `dst`'s sending side.
+
+    The bytes go through a pipe with splice(2), never through Python's
+    memory. A reset on either side cancels `both` directions; the sockets
+    are closed by their owner once both have stopped (never here: the other
+    direction may still hold their descriptors)."""
+    sfd, dfd = src.socket.fileno(), dst.socket.fileno()
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
     try:
-        while data := await src.receive_some(BUFSIZE):
-            await dst.send_all(data)
-            setattr(done, what, getattr(done, what) + len(data))
-        with trio.move_on_after(1):
-            await dst.send_eof()
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        # one side reset: end the other direction too
-        await trio.aclose_forcefully(dst)
-        await trio.aclose_forcefully(src)
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
+        while True:
+            try:
+                n = os.splice(sfd, w, PIPE_SIZE, flags=flags)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sfd)
+                continue
+            if n == 0:
+                break
+            left = n
+            while left:
+                try:
+                    left -= os.splice(r, dfd, left, flags=flags)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(dfd)
+            setattr(done, what, getattr(done, what) + n)
+            await trio.lowlevel.checkpoint()
+        with contextlib.suppress(OSError):
+            dst.socket.shutdown(socket.SHUT_WR)
+    except OSError:
+        both.cancel()
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def _nodelay(stream: trio.SocketStream) -> None:
@@ -316,13 +413,13 @@ class EgressProxy:
                 if self._limit.borrowed_tokens >= self._limit.total_tokens:
                     _reset(client)
                     return
-                async with self._limit:
-                    await self._serve_one(client)
+                async with self._limit, trio.open_nursery() as nursery:
+                    await self._serve_one(client, nursery)
             except Exception:
                 log.exception("egress: connection failed")
                 _reset(client)
 
-    async def _serve_one(self, client: trio.SocketStream) -> None:
+    async def _serve_one(self, client: trio.SocketStream, nursery: trio.Nursery) -> None:
         started = time.time()
         peer = client.socket.getpeername()
         src = str(peer[0])
@@ -336,7 +433,11 @@ class EgressProxy:
         head = b""
         name: str | None = None
         proto = "none"
+        early: _EarlyDial | None = None
         if policy.needs_name(ip):
+            if any(policy.decide(ip, n).allowed for n in self.resolver.names_of(ip)):
+                early = _EarlyDial((ip, port))
+                nursery.start_soon(early.run)
             head, name, proto = await self._read_name(client)
         decision = policy.decide(ip, name)
         if (
@@ -363,6 +464,8 @@ class EgressProxy:
             )
 
         if not decision.allowed:
+            if early is not None:
+                await early.discard()
             _reset(client)
             self._record(event(False, decision.reason))
             return
@@ -370,7 +473,9 @@ class EgressProxy:
         _nodelay(client)
         self.active += 1
         try:
-            await relay_for(policy, decision, name).run(client, head, (ip, port), done)
+            upstream = None if early is None else await early.result()
+            relay = relay_for(policy, decision, name)
+            await relay.run(client, head, (ip, port), done, upstream=upstream)
         except (OSError, trio.TooSlowError) as exc:
             _reset(client)
             self._record(event(True, f"{decision.reason}; upstream: {_why(exc)}", done))
