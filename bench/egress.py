@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import trio
@@ -129,17 +130,23 @@ async def bench(args: argparse.Namespace, ca: Path) -> dict[str, dict[str, float
     ):
         proxy = EgressProxy(policies=network, resolver=Resolver([DNS_IP]))
         await nursery.start(proxy.serve, listener)
+        cpu = 0.0
         async with network.open_slot(direct) as d, network.open_slot(named) as p:
             for _ in range(args.rounds):
                 for key, slot in (("direct", d), ("proxied", p)):
+                    t0 = time.process_time()
                     r = await run_client(
                         slot.netns_name, ca, args.n // args.rounds, args.mib, args.repeat
                     )
+                    if key == "proxied":
+                        cpu += time.process_time() - t0
                     results[key]["lat"] += r["lat_ms"]  # type: ignore[arg-type]
                     results[key]["mib_s"].append(float(r["mib_s"]))  # type: ignore[arg-type]
-        print("proxy:", proxy.statistics(), file=sys.stderr)
+        stats = proxy.statistics()
+        print("proxy:", stats, file=sys.stderr)
+        relayed = int(stats["bytes_in"]) + int(stats["bytes_out"])  # type: ignore[call-overload]
         nursery.cancel_scope.cancel()
-    return {
+    out = {
         k: {
             "p50_ms": statistics.median(v["lat"]),
             "p95_ms": pct(v["lat"], 95),
@@ -148,6 +155,9 @@ async def bench(args: argparse.Namespace, ca: Path) -> dict[str, dict[str, float
         }
         for k, v in results.items()
     }
+    # the proxy runs in this process: its CPU time while the proxied client ran
+    out["proxied"]["cpu_ms_per_100mib"] = cpu * 1000 / (relayed / (100 << 20))
+    return out
 
 
 def main() -> None:
@@ -171,7 +181,8 @@ def main() -> None:
         print(f"{k:10} {v['p50_ms']:8.2f} {v['p95_ms']:8.2f} {v['mib_s']:8.0f}")
     print(
         f"added by the proxy: p50 {p['p50_ms'] - d['p50_ms']:+.2f} ms, "
-        f"p95 {p['p95_ms'] - d['p95_ms']:+.2f} ms; throughput {p['mib_s'] / d['mib_s']:.2f}x direct"
+        f"p95 {p['p95_ms'] - d['p95_ms']:+.2f} ms; throughput {p['mib_s'] / d['mib_s']:.2f}x direct; "
+        f"proxy CPU {p['cpu_ms_per_100mib']:.0f} ms per 100 MiB relayed"
     )
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
