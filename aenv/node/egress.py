@@ -57,6 +57,10 @@ log = logging.getLogger("aenv.node.egress")
 
 SO_ORIGINAL_DST: Final = 80  # linux/netfilter_ipv4.h
 SNIFF_TIMEOUT_S: Final = 10.0
+# how long to wait for a name that could only refuse what the address allows
+# (deny-by-name with the internet open): server-speaks-first protocols (SSH,
+# SMTP) then start after this, not after SNIFF_TIMEOUT_S
+DENY_SNIFF_TIMEOUT_S: Final = 1.0
 CONNECT_TIMEOUT_S: Final = 10.0
 RESOLVE_TIMEOUT_S: Final = 3.0
 PIPE_SIZE: Final = 1024 * 1024  # splice(2) pipe between the two sockets
@@ -438,7 +442,9 @@ class EgressProxy:
             if any(policy.decide(ip, n).allowed for n in self.resolver.names_of(ip)):
                 early = _EarlyDial((ip, port))
                 nursery.start_soon(early.run)
-            head, name, proto = await self._read_name(client)
+            by_address = policy.decide(ip, None).allowed
+            wait = min(DENY_SNIFF_TIMEOUT_S, self.sniff_timeout_s) if by_address else None
+            head, name, proto = await self._read_name(client, wait)
         decision = policy.decide(ip, name)
         if (
             decision.allowed
@@ -484,10 +490,13 @@ class EgressProxy:
             self.active -= 1
         self._record(event(True, decision.reason, done))
 
-    async def _read_name(self, client: trio.SocketStream) -> tuple[bytes, str | None, str]:
-        """The client's first bytes and the host name they claim, within the sniff timeout."""
+    async def _read_name(
+        self, client: trio.SocketStream, wait_s: float | None = None
+    ) -> tuple[bytes, str | None, str]:
+        """The client's first bytes and the host name they claim, within
+        `wait_s` (default: the sniff timeout)."""
         head = b""
-        with trio.move_on_after(self.sniff_timeout_s):
+        with trio.move_on_after(self.sniff_timeout_s if wait_s is None else wait_s):
             while len(head) < MAX_SNIFF:
                 found = sniff(head)
                 if not isinstance(found, Need):

@@ -222,12 +222,17 @@ def test_rules_change_at_runtime_and_survive_pause_and_fork(
         s.kill()
 
 
-def test_host_stays_unreachable(enode: NodeProc, internet: Internet) -> None:
-    network = {"allow_out": ["allowed.test", "0.0.0.0/0"]}
+@pytest.mark.parametrize(
+    "network",
+    [ONLY_THESE, {"allow_out": ["allowed.test", "0.0.0.0/0"]}, {"deny_out": ["other.test"]}],
+)
+def test_host_stays_unreachable(
+    enode: NodeProc, internet: Internet, network: dict[str, list[str]]
+) -> None:
     s = prepare(Sandbox.create("base", network=network), internet)  # type: ignore[arg-type]
     try:
         t0 = time.monotonic()
-        # the host's own address in the internet's subnet, and its loopback
+        # the host's own address in the internet's subnet, its proxy port, its loopback
         assert "fail:" in fetch(s, "http://203.0.113.174:1/")
         assert "fail:" in fetch(s, "https://allowed.test/", to="203.0.113.174")
         assert "fail:" in fetch(s, "http://127.0.0.1/")

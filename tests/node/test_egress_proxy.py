@@ -52,7 +52,9 @@ def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
 
 
 @asynccontextmanager
-async def proxied(events: list[EgressEvent]) -> AsyncIterator[tuple[HostNetwork, EgressProxy]]:
+async def proxied(
+    events: list[EgressEvent],
+) -> AsyncIterator[tuple[HostNetwork, EgressProxy, int]]:
     async with (
         await open_egress_listener() as listener,
         open_host_network(
@@ -67,7 +69,7 @@ async def proxied(events: list[EgressEvent]) -> AsyncIterator[tuple[HostNetwork,
     ):
         proxy = EgressProxy(policies=network, resolver=Resolver([DNS_IP]), on_event=events.append)
         await nursery.start(proxy.serve, listener)
-        yield network, proxy
+        yield network, proxy, listener_port(listener)
         nursery.cancel_scope.cancel()
 
 
@@ -88,7 +90,7 @@ async def curl(slot: NetSlot, ca: Path, url: str, *, to: str | None = None, host
 async def test_names_decide_and_addresses_must_match(internet: Internet) -> None:
     events: list[EgressEvent] = []
     only = policy(allowOut=["allowed.test"], denyOut=["0.0.0.0/0"])
-    async with proxied(events) as (network, proxy), network.open_slot(only) as slot:
+    async with proxied(events) as (network, proxy, port), network.open_slot(only) as slot:
         ca = internet.ca_pem
         t0 = trio.current_time()
         assert (await curl(slot, ca, "https://allowed.test/")).startswith(f"from {ALLOWED} ")
@@ -97,6 +99,10 @@ async def test_names_decide_and_addresses_must_match(internet: Internet) -> None
         assert await curl(slot, ca, "https://allowed.test/", to=OTHER) == "refused"
         assert await curl(slot, ca, f"http://{OTHER}/", host="allowed.test") == "refused"
         assert await curl(slot, ca, f"http://{OTHER}/") == "refused"
+        # the proxy itself is not a destination
+        assert await curl(slot, ca, f"http://{slot.host_ip}:{port}/", host="allowed.test") == (
+            "refused"
+        )
         assert trio.current_time() - t0 < 10, "refusals are resets, not timeouts"
         # a live change: new connections follow the new rules at once
         await network.set_policy(slot, policy(allowOut=["other.test"], denyOut=["0.0.0.0/0"]))
@@ -120,7 +126,7 @@ async def test_names_decide_and_addresses_must_match(internet: Internet) -> None
 
 async def test_slots_without_names_never_reach_the_proxy(internet: Internet) -> None:
     events: list[EgressEvent] = []
-    async with proxied(events) as (network, _), network.open_slot(EgressPolicy()) as slot:
+    async with proxied(events) as (network, _, _), network.open_slot(EgressPolicy()) as slot:
         out = await curl(slot, internet.ca_pem, "https://allowed.test/", to=OTHER)
         assert out.startswith(f"from {OTHER} ")  # no name rules: nothing is checked
         assert events == []
