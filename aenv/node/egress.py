@@ -446,12 +446,13 @@ class EgressProxy:
             wait = min(DENY_SNIFF_TIMEOUT_S, self.sniff_timeout_s) if by_address else None
             head, name, proto = await self._read_name(client, wait)
         decision = policy.decide(ip, name)
-        if (
-            decision.allowed
-            and decision.verify is not None
-            and ip not in await self.resolver.addresses(decision.verify)
-        ):
-            decision = Decision(False, f"{ip} is not an address of {decision.verify}")
+        if decision.allowed and decision.verify is not None:
+            addresses = await self.resolver.addresses(decision.verify)
+            if ip not in addresses:
+                why = f"{ip} is not an address of {decision.verify}"
+                if not addresses:
+                    why = f"{decision.verify} does not resolve on the node"
+                decision = Decision(False, why)
 
         def event(allowed: bool, reason: str, done: Transfer | None = None) -> EgressEvent:
             return EgressEvent(
