@@ -429,7 +429,8 @@ def render_table(
     at once instead of timing out. With `proxy_port`, the host accepts from a
     slot only the connections a slot's `redirects` chain sent to the egress
     proxy listening there (`ct status dnat`); a sandbox dialling the port
-    itself is refused like any other host port.
+    itself is refused like any other host port, and the port is closed to
+    every other interface (the proxy listens on all addresses).
     """
     t = _check_name(table, "table")
     net = ipaddress.IPv4Network(cidr)
@@ -460,7 +461,8 @@ def render_table(
             f"add rule inet {t} input iifname @ifaces ct state established,related accept",
             *(
                 [
-                    f"add rule inet {t} input iifname @ifaces tcp dport {int(proxy_port)} ct status dnat accept"
+                    f"add rule inet {t} input iifname @ifaces tcp dport {int(proxy_port)} ct status dnat accept",
+                    f"add rule inet {t} input iifname != @ifaces tcp dport {int(proxy_port)} drop",
                 ]
                 if proxy_port is not None
                 else []

@@ -126,7 +126,10 @@ async def test_names_decide_and_addresses_must_match(internet: Internet) -> None
 
 async def test_slots_without_names_never_reach_the_proxy(internet: Internet) -> None:
     events: list[EgressEvent] = []
-    async with proxied(events) as (network, _, _), network.open_slot(EgressPolicy()) as slot:
+    async with proxied(events) as (network, _, port), network.open_slot(EgressPolicy()) as slot:
         out = await curl(slot, internet.ca_pem, "https://allowed.test/", to=OTHER)
         assert out.startswith(f"from {OTHER} ")  # no name rules: nothing is checked
         assert events == []
+        # the proxy's port is closed to everything but the slots' redirects
+        with pytest.raises(trio.TooSlowError), trio.fail_after(1):
+            await trio.open_tcp_stream("127.0.0.1", port)
