@@ -64,12 +64,16 @@ def enode(internet: Internet) -> Iterator[NodeProc]:
     assert home is not None
     private = Path(tempfile.mkdtemp(prefix="aenv-egress-node-"))
     link_home(home, private)
-    n = start_node(
-        private,
-        api_key="aenv_test_" + secrets.token_hex(8),
-        log_path=private / "node.log",
-        extra_env={**NODE_ENV, "AENV_SLOT_CIDR": str(SLOTS[0])},
-    )
+    try:
+        n = start_node(
+            private,
+            api_key="aenv_test_" + secrets.token_hex(8),
+            log_path=private / "node.log",
+            extra_env={**NODE_ENV, "AENV_SLOT_CIDR": str(SLOTS[0])},
+        )
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
     try:
         with sdk_pointed_at(n.url, n.api_key):
             yield n
