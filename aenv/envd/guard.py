@@ -18,17 +18,27 @@ sandbox's process limit (gVisor enforces it per user, threads included), so
 a fork bomb gets `EAGAIN` while envd, whose own limit stays unlimited,
 keeps starting commands.
 
-`victim`, `free_bytes` and `poll_interval` are the decisions, without IO.
+Orphans: a process whose parent exits is handed to pid 1, envd, which must
+collect it when it exits, as init does; a zombie left uncollected keeps its
+slot and counts against its user's process limit, so after a fork bomb (whose
+processes are nearly all orphans) the user could start nothing more.
+`reap_orphans` waits for SIGCHLD and collects every zombie child of envd that
+is not a process envd started itself (those are waited for by their own
+task) once it has been a zombie for a moment (`orphans`).
+
+`victim`, `free_bytes`, `poll_interval` and `orphans` are the decisions,
+without IO.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +58,9 @@ POLL_MAX_S = 0.5
 ALLOC_RATE = 1 << 30
 # A killed victim gets this long to release its memory before another is chosen.
 VICTIM_GRACE_S = 2.0
+# An orphan is collected once it has been a zombie at two looks this far apart
+# (never a process envd started: it may be just about to be registered).
+REAP_AFTER_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,49 @@ def victim(procs: Iterable[Proc], spare: Iterable[int]) -> Proc | None:
     keep = set(spare)
     candidates = [p for p in procs if p.pid not in keep and p.rss_bytes > 0]
     return max(candidates, key=lambda p: (p.rss_bytes, p.pid), default=None)
+
+
+def orphans(zombies: set[int], earlier: set[int], managed: Collection[int]) -> set[int]:
+    """The zombies to collect: seen at this look and the one before, and not
+    started by envd."""
+    return {pid for pid in zombies & earlier if pid not in managed}
+
+
+def read_zombies(parent: int, proc: Path = Path("/proc")) -> set[int]:
+    """The PIDs of `parent`'s children that are zombies (blocking; cheap)."""
+    found: set[int] = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[0] == "Z" and fields[1] == str(parent):
+            found.add(int(entry.name))
+    return found
+
+
+async def reap_orphans(managed: Callable[[], Collection[int]]) -> None:
+    """As pid 1: collect exited orphans, until cancelled. `managed()`: the PIDs
+    of the processes envd started (waited for elsewhere)."""
+    me = os.getpid()
+    with trio.open_signal_receiver(signal.SIGCHLD) as signals:
+        earlier = read_zombies(me)  # (exits before this started)
+        while True:
+            if earlier:  # look again soon: they may be orphans
+                with trio.move_on_after(REAP_AFTER_S):
+                    await signals.__anext__()
+            else:
+                await signals.__anext__()
+                await trio.sleep(REAP_AFTER_S)  # a burst of exits: one look
+            zombies = read_zombies(me)
+            gone = orphans(zombies, earlier, managed())
+            for pid in gone:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 (a zombie: never blocks)
+            earlier = zombies - gone
 
 
 def read_procs(proc: Path = Path("/proc")) -> list[Proc]:

@@ -22,7 +22,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from aenv.envd.app import EnvdApp
-from aenv.envd.guard import DEFAULT_PROCESS_LIMIT, watch_memory
+from aenv.envd.guard import DEFAULT_PROCESS_LIMIT, reap_orphans, watch_memory
 from aenv.envd.state import EnvdState
 
 DEFAULT_PORT = 49983
@@ -131,6 +131,8 @@ async def serve_envd(
             state.process_limit = DEFAULT_PROCESS_LIMIT
             services.start_soon(watch_memory)
         app = EnvdApp(services, state=state)
+        if guard:
+            services.start_soon(reap_orphans, app.process.live.keys)
         config = hypercorn_config(host, port, access_log=access_log)
         trigger = _wait_for_signal if handle_signals else None
         status: trio.TaskStatus[list[str]] | None = task_status

@@ -105,6 +105,18 @@ def test_fork_bomb_meets_the_process_limit(sbx: Sandbox) -> None:
     assert sbx.commands.run("echo ok").stdout.strip() == "ok"
 
 
+def test_orphans_are_collected(sbx: Sandbox) -> None:
+    # background children of a shell that exits are handed to pid 1 (envd)
+    sbx.commands.run("bash -c 'sleep 0.2 & sleep 0.2 &'", timeout=60)
+    zombies = "x"
+    for _ in range(50):
+        zombies = sbx.commands.run("ps -eo stat= | grep -c '^Z' || true", user="root").stdout
+        if zombies.strip() == "0":
+            break
+        time.sleep(0.2)
+    assert zombies.strip() == "0"
+
+
 def test_sandbox_killed_by_the_host_says_why(node: NodeProc) -> None:
     s = Sandbox.create(TEMPLATE, timeout=300)
     try:

@@ -7,6 +7,7 @@ tests/e2e/test_pressure.py.)
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -20,7 +21,10 @@ from aenv.envd.guard import (
     Proc,
     free_bytes,
     limit_processes,
+    orphans,
     poll_interval,
+    read_zombies,
+    reap_orphans,
     victim,
     watch_memory,
 )
@@ -106,3 +110,37 @@ def test_limit_processes_sets_rlimit_nproc_in_the_child() -> None:
 @pytest.mark.parametrize("garbage", ["aenv-oom {", "aenv-oom []", 'aenv-oom {"pid": "x"}', "x"])
 def test_console_garbage_is_no_kill(garbage: str) -> None:
     assert parse_kills(garbage) == []
+
+
+def test_orphans_are_zombies_seen_twice_that_envd_did_not_start() -> None:
+    assert orphans({5, 6, 7}, {5, 7, 9}, managed={7}) == {5}
+    assert orphans({5}, set(), managed=()) == set()  # seen once: maybe about to be registered
+
+
+def test_exited_children_envd_did_not_start_are_collected() -> None:
+    me = os.getpid()
+    ours = subprocess.Popen(["true"])  # started by "envd": its own task waits for it
+    stray = subprocess.Popen(["true"])  # what an orphan is to pid 1
+    later: list[subprocess.Popen[bytes]] = []  # exits while it watches
+
+    def settled() -> bool:
+        zombies = read_zombies(me)
+        return ours.pid in zombies and not ({stray.pid, *(p.pid for p in later)} & zombies)
+
+    async def reaping() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reap_orphans, lambda: {ours.pid})
+            await trio.sleep(0.3)
+            later.append(await trio.to_thread.run_sync(subprocess.Popen, ["true"]))
+            for _ in range(200):
+                await trio.sleep(0.05)
+                if settled():
+                    break
+            nursery.cancel_scope.cancel()
+
+    trio.run(reaping)
+    # the stray one is gone, the one envd started is left for its waiter
+    assert ours.pid in read_zombies(me)
+    assert not os.path.exists(f"/proc/{stray.pid}")
+    assert not os.path.exists(f"/proc/{later[0].pid}")
+    assert ours.wait() == 0
