@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from e2b_code_interpreter import Sandbox
@@ -21,6 +25,7 @@ from e2b_code_interpreter.charts import BarChart, ChartType, LineChart
 from tests.conftest import NodeProc, built_home, requires_node
 
 TEMPLATE = "code-interpreter-v1"
+JS = Path(__file__).resolve().parent.parent / "js"
 
 
 def _has_template() -> bool:
@@ -196,3 +201,19 @@ def test_pause_resume_keeps_kernel_state(node: NodeProc) -> None:
         assert resumed.run_code("sum(kept)").text == "6"
     finally:
         s.kill()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_js_sdk(node: NodeProc) -> None:
+    if not (JS / "node_modules" / "@e2b" / "code-interpreter").is_dir():
+        pytest.skip("npm @e2b/code-interpreter not installed (make test installs it)")
+    env = dict(os.environ, E2B_API_URL=node.url, E2B_SANDBOX_URL=node.url, E2B_API_KEY=node.api_key)
+    r = subprocess.run(
+        ["node", "--test", "interp.test.mjs"],
+        cwd=JS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
