@@ -31,7 +31,9 @@ import argparse
 import json
 import os
 import queue
+import re
 import select
+import shlex
 import socket
 import sys
 import tempfile
@@ -65,8 +67,17 @@ FORMATS = {
     "application/javascript": "javascript",
     CHART_MIME: "chart",
 }
-# What a context's language may be called, and the kernel language it means.
-LANGUAGES = {"python": "python", "python3": "python", "py": "python"}
+# What a context's language may be called, and the language it means.
+LANGUAGES = {
+    "python": "python",
+    "python3": "python",
+    "py": "python",
+    "bash": "bash",
+    "sh": "bash",
+    "shell": "bash",
+}
+KERNELS = {"python": "python3", "bash": "bash"}  # language -> Jupyter kernel name
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class HTTPError(Exception):
@@ -101,6 +112,26 @@ def _call_kernel_module(function: str, *args: Any) -> str:
     return f"__import__('sys').modules[{KERNEL_MODULE!r}].{function}({rendered})\n"
 
 
+def _bash_push_env(envs: dict[str, str]) -> str:
+    """Bash that exports `envs`, keeping what each name held for `_bash_pop_env`."""
+    lines = []
+    for key, value in envs.items():
+        lines.append(f'__aenv_old_{key}="${{{key}-__aenv_unset__}}"')
+        lines.append(f"export {key}={shlex.quote(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _bash_pop_env(envs: dict[str, str]) -> str:
+    lines = []
+    for key in envs:
+        old = f"__aenv_old_{key}"
+        lines.append(
+            f'if [ "${old}" = __aenv_unset__ ]; then unset {key}; '
+            f'else export {key}="${old}"; fi; unset {old}'
+        )
+    return "\n".join(lines) + "\n"
+
+
 class Context:
     """One Jupyter kernel and its client; `lock` serialises its runs."""
 
@@ -123,7 +154,7 @@ class Context:
 
         prefix = self._runtime_dir / self.id
         km = KernelManager(
-            kernel_name="python3",
+            kernel_name=KERNELS[self.language],
             transport="ipc",
             ip=str(prefix),
             connection_file=str(prefix) + ".json",
@@ -138,10 +169,12 @@ class Context:
             km.shutdown_kernel(now=True)
             raise
         self._km, self._kc = km, kc
-        self._silent(_setup_code())
+        if self.language == "python":
+            self._silent(_setup_code())
 
     def warm(self) -> None:
-        self._silent(_call_kernel_module("warm"))
+        if self.language == "python":
+            self._silent(_call_kernel_module("warm"))
 
     def stop(self) -> None:
         if self._kc is not None:
@@ -176,7 +209,7 @@ class Context:
         turns true while it runs, or the consumer stops iterating, the kernel is
         interrupted and the run drained before the context is given back."""
         if env_vars:
-            self._silent(_call_kernel_module("push_env", env_vars))
+            self._silent(self._push_env(env_vars))
         msg_id = self._kc.execute(code, store_history=True, allow_stdin=False)
         finished = False
         try:
@@ -210,7 +243,17 @@ class Context:
                 self._interrupt_and_drain(msg_id)
             self._drain_shell(msg_id)
             if env_vars and self.alive():
-                self._silent(_call_kernel_module("pop_env"))
+                self._silent(self._pop_env(env_vars))
+
+    def _push_env(self, envs: dict[str, str]) -> str:
+        if self.language == "bash":
+            return _bash_push_env(envs)
+        return _call_kernel_module("push_env", envs)
+
+    def _pop_env(self, envs: dict[str, str]) -> str:
+        if self.language == "bash":
+            return _bash_pop_env(envs)
+        return _call_kernel_module("pop_env")
 
     def _interrupt_and_drain(self, msg_id: str) -> None:
         self._km.interrupt_kernel()
@@ -347,11 +390,28 @@ class Interpreter:
 
 def _language(language: str | None) -> str:
     name = (language or "python").strip().lower()
-    if name not in LANGUAGES:
+    lang = LANGUAGES.get(name)
+    if lang is None or KERNELS[lang] not in _kernel_names():
+        available = sorted({v for v in LANGUAGES.values() if KERNELS[v] in _kernel_names()})
         raise HTTPError(
-            400, f"language {language!r} is not available in this template (available: python)"
+            400,
+            f"language {language!r} is not available in this template "
+            f"(available: {', '.join(available) or 'none'})",
         )
-    return LANGUAGES[name]
+    return lang
+
+
+_kernels: set[str] | None = None
+
+
+def _kernel_names() -> set[str]:
+    """The Jupyter kernels installed in the guest (looked up once)."""
+    global _kernels
+    if _kernels is None:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        _kernels = set(KernelSpecManager().find_kernel_specs())
+    return _kernels
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -468,9 +528,10 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, "code must be a string")
         env_vars = body.get("env_vars") or {}
         if not isinstance(env_vars, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
+            isinstance(k, str) and ENV_NAME.fullmatch(k) and isinstance(v, str)
+            for k, v in env_vars.items()
         ):
-            raise HTTPError(400, "env_vars must map names to strings")
+            raise HTTPError(400, "env_vars must map variable names to strings")
         context_id = _opt_str(body, "context_id")
         language = _opt_str(body, "language")
         ctx = self.interp.get(context_id) if context_id else self.interp.default_context(language)

@@ -5,8 +5,8 @@
 passwordless-sudo user `user` (uid 1000) as E2B templates have, and without
 apt lists, docs, man pages or translations. `busybox` is a tiny test template
 made of Debian's static busybox alone: no libc, no bash. `code-interpreter-v1`
-(the template the code-interpreter SDKs default to) is `base` plus Debian's
-Jupyter kernel and data stack (`INTERP_PACKAGES`, installed with pip from
+(the template the code-interpreter SDKs default to) is `base` plus Jupyter
+kernels (IPython, bash) and the data stack (`INTERP_PACKAGES`, installed with pip from
 PyPI in a chroot of a copy of `base`); its start command runs aenv's code-execution
 server (aenv.interp.server, from the envd bundle) on port 49999, so the node
 captures it with a warm kernel (aenv.node.warm). All are built in a
@@ -79,6 +79,7 @@ INTERP_PACKAGES: tuple[str, ...] = (
     "numpy==2.2.6",
     "pandas==2.2.3",
     "matplotlib==3.10.3",
+    "bash_kernel==0.10.0",
 )
 INTERP_TEMPLATE = "code-interpreter-v1"
 INTERP_PORT = 49999
@@ -111,6 +112,7 @@ _STRIP = (
 _BUILD_PREFIX = ".build-"
 _BUILD_LOCK = ".build.lock"
 _BUILD_CA = "tmp/.aenv-build-ca.pem"  # the host's CA certificates while pip runs
+_RECIPE_FILE = "recipe"  # in a template's directory: the recipe it was built by
 # Bumped whenever a builder below changes what it makes: nodes then stop taking
 # builds of the old recipe from the store (`recipe`).
 RECIPE_VERSION = 1
@@ -119,6 +121,9 @@ RESOURCES = {  # cpu_count, memory_mb
     "busybox": (1, 256),
     INTERP_TEMPLATE: (2, 1024),
 }
+# Default templates rebuilt by `ensure_default_templates` when their recipe
+# changed (quick to build; `base` is kept: a debootstrap takes minutes).
+REBUILT_WHEN_CHANGED = frozenset({INTERP_TEMPLATE})
 # Start and ready commands of the default templates that run a server: the
 # node captures their sandboxes once it answers (aenv.node.warm).
 START_COMMANDS: dict[str, tuple[str, str]] = {
@@ -370,7 +375,8 @@ def build_interp_rootfs(
         script = (
             f"set -e; mount -t proc proc {root}/proc; "
             f"chroot {root} python3 -m pip install -q --no-cache-dir --progress-bar off "
-            f"--root-user-action=ignore --disable-pip-version-check {install}"
+            f"--root-user-action=ignore --disable-pip-version-check {install}; "
+            f"chroot {root} python3 -m bash_kernel.install --sys-prefix"
         )
         _say(progress, f"pip install {install}")
         # a private mount namespace: the chroot's /proc vanishes with it
@@ -451,6 +457,14 @@ def build_lock(store: TemplateStore) -> Iterator[None]:
         os.close(fd)
 
 
+def _built_by(store: TemplateStore, template_id: str) -> str | None:
+    """The recipe an installed default template was built by, if recorded."""
+    try:
+        return (store.root / template_id / _RECIPE_FILE).read_text().strip()
+    except OSError:
+        return None
+
+
 def _has(store: TemplateStore, template_id: str) -> bool:
     try:
         return store.resolve(template_id).template_id == template_id
@@ -507,8 +521,13 @@ def ensure_default_templates(
                 )
         for template_id, build in wanted:
             if _has(store, template_id):
-                _say(progress, f"template {template_id!r} present")
-                continue
+                if template_id not in REBUILT_WHEN_CHANGED or _built_by(
+                    store, template_id
+                ) == recipe(template_id):
+                    _say(progress, f"template {template_id!r} present")
+                    continue
+                _say(progress, f"template {template_id!r} is of an older recipe: rebuilding it")
+                store.delete(template_id)
             staging = staging_dir(store, template_id)
             try:
                 started = time.monotonic()
@@ -538,6 +557,8 @@ def ensure_default_templates(
                 )
                 if fetched is not None:
                     store.record_rootfs_index(template_id, fetched[2])
+                if template_id in REBUILT_WHEN_CHANGED:
+                    (store.root / template_id / _RECIPE_FILE).write_text(recipe(template_id) + "\n")
                 _say(
                     progress,
                     f"template {template_id!r} ready ({how}): {template.disk_size_mb} MiB "

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b_code_interpreter import Sandbox
 from e2b_code_interpreter.charts import BarChart, ChartType, LineChart
@@ -155,6 +156,21 @@ def test_contexts_are_isolated_and_managed(sbx: Sandbox) -> None:
     assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
 
 
+def test_bash_contexts_keep_shell_state(sbx: Sandbox) -> None:
+    ctx = sbx.create_code_context(language="bash", cwd="/tmp")
+    assert ctx.language == "bash"
+    sbx.run_code("COUNT=41; cd /home/user", context=ctx)
+    ran = sbx.run_code("echo $((COUNT + 1)) $(pwd)", context=ctx)
+    assert ran.logs.stdout == ["42 /home/user\n"]
+    failed = sbx.run_code("ls /nonexistent", context=ctx)
+    assert failed.error is not None or failed.logs.stderr
+    with_env = sbx.run_code("echo $GREETING", context=ctx, envs={"GREETING": "hi"})
+    assert with_env.logs.stdout == ["hi\n"]
+    assert sbx.run_code('echo "${GREETING-unset}"', context=ctx).logs.stdout == ["unset\n"]
+    # `language` alone runs in that language's default context
+    assert sbx.run_code("echo $0 | grep -c bash", language="bash").logs.stdout == ["1\n"]
+
+
 def test_env_vars_apply_to_one_run(sbx: Sandbox) -> None:
     code = "import os; repr(os.environ.get('AENV_GREETING'))"
     assert sbx.run_code(code, envs={"AENV_GREETING": "hi"}).text == "\"'hi'\""
@@ -217,3 +233,20 @@ def test_js_sdk(node: NodeProc) -> None:
         timeout=300,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_other_size_boots_and_starts_the_server(node: NodeProc) -> None:
+    """A create at another size than the template's cannot restore its capture:
+    the node boots it and starts the code interpreter before answering."""
+    r = httpx.post(
+        f"{node.url}/sandboxes",
+        headers={"X-API-Key": node.api_key},
+        json={"templateID": TEMPLATE, "timeout": 120, "memoryMB": 768},
+        timeout=300,
+    )
+    assert r.status_code == 201, r.text
+    s = Sandbox.connect(r.json()["sandboxID"])
+    try:
+        assert s.run_code("import numpy; int(numpy.ones(3).sum())").text == "3"
+    finally:
+        s.kill()

@@ -4,6 +4,8 @@ library, so this runs on the host; the kernel side runs in tests/e2e)."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from aenv.interp import server
@@ -59,12 +61,30 @@ def test_errors_and_execution_counts() -> None:
     assert server._event(_msg("status", execution_state="busy")) is None
 
 
-def test_languages() -> None:
+def test_languages_are_those_with_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "_kernels", {"python3", "bash"})
     assert server._language(None) == "python"
     assert server._language("Python3") == "python"
+    assert server._language("sh") == "bash"
+    monkeypatch.setattr(server, "_kernels", {"python3"})
     with pytest.raises(server.HTTPError) as e:
         server._language("bash")
-    assert e.value.status == 400 and "python" in e.value.message
+    assert e.value.status == 400 and "(available: python)" in e.value.message
+    with pytest.raises(server.HTTPError):
+        server._language("r")
+
+
+def test_bash_env_vars_are_put_back() -> None:
+    envs = {"GREETING": "it's me"}
+    script = server._bash_push_env(envs) + "echo $GREETING\n" + server._bash_pop_env(envs)
+    script += 'echo "${GREETING-unset}"\n'
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["it's me", "unset"]
+    before = "export GREETING=old\n"
+    done = subprocess.run(
+        ["bash", "-c", before + script], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.splitlines() == ["it's me", "old"]
 
 
 def test_helpers_call_the_hidden_module_without_binding_names() -> None:
