@@ -188,6 +188,14 @@ def test_timeout_interrupts_the_run(sbx: Sandbox) -> None:
     assert time.monotonic() - started < 10
 
 
+def test_a_dead_kernel_is_replaced(sbx: Sandbox) -> None:
+    sbx.run_code("lost = 1")
+    died = sbx.run_code("import os\nos._exit(3)")
+    assert died.error is not None and died.error.name == "KernelDied"
+    after = sbx.run_code("'lost' in globals(), 6 * 7")
+    assert after.error is None and after.text == "(False, 42)"
+
+
 def test_fork_keeps_kernel_state(node: NodeProc) -> None:
     src = Sandbox.create(timeout=300, request_timeout=300)
     children: list[Sandbox] = []
