@@ -335,9 +335,17 @@ class Interpreter:
         self.ready = threading.Event()
 
     def start_default(self) -> None:
-        ctx = self.default_context("python")
-        with ctx.lock:
-            ctx.warm()
+        """Start and warm the default python context; exit the server if that
+        fails, so that the template's start command fails at once rather than
+        its ready command timing out."""
+        try:
+            ctx = self.default_context("python")
+            with ctx.lock:
+                ctx.warm()
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
         self.ready.set()
 
     def contexts(self) -> list[Context]:
