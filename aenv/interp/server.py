@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 import traceback
+import urllib.request
 import uuid
 from collections.abc import Callable, Generator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,6 +52,7 @@ KERNEL_FILE = Path(__file__).with_name("kernel.py")
 KERNEL_MODULE = "_aenv_interp"
 CHART_MIME = "application/vnd.aenv.chart+json"  # aenv.interp.kernel.CHART_MIME
 START_TIMEOUT_S = 120.0
+ENVD_ENVS = "http://127.0.0.1:49983/envs"  # the sandbox's env vars, from its envd
 POLL_S = 0.2  # how often a waiting run checks that its caller is still there
 MAX_BODY = 64 * 1024 * 1024
 # Jupyter MIME types and the names the SDKs' `Result` gives them.
@@ -143,6 +145,7 @@ class Context:
         self._runtime_dir = runtime_dir
         self._km: Any = None
         self._kc: Any = None
+        self._sandbox_envs: dict[str, str] = {}  # applied by `apply_sandbox_envs`
 
     def describe(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -186,6 +189,7 @@ class Context:
 
     def restart(self) -> None:
         self.stop()
+        self._sandbox_envs = {}
         self.start()
 
     def alive(self) -> bool:
@@ -244,6 +248,21 @@ class Context:
             self._drain_shell(msg_id)
             if env_vars and self.alive():
                 self._silent(self._pop_env(env_vars))
+
+    def apply_sandbox_envs(self, envs: dict[str, str]) -> None:
+        """Set the sandbox's own environment variables (those given at its
+        create) in the kernel, once per change: the kernel started before the
+        sandbox had them (in the template's capture)."""
+        envs = {k: v for k, v in envs.items() if ENV_NAME.fullmatch(k)}
+        if envs == self._sandbox_envs:
+            return
+        if self.language == "bash":
+            code = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in envs.items())
+        else:
+            code = f"__import__('os').environ.update({envs!r})\n"
+        if envs:
+            self._silent(code)
+        self._sandbox_envs = envs
 
     def _push_env(self, envs: dict[str, str]) -> str:
         if self.language == "bash":
@@ -543,9 +562,12 @@ class Handler(BaseHTTPRequestHandler):
         context_id = _opt_str(body, "context_id")
         language = _opt_str(body, "language")
         ctx = self.interp.get(context_id) if context_id else self.interp.default_context(language)
+        sandbox_envs = _sandbox_envs(self.headers.get("X-Access-Token"))
         with ctx.lock:
             if not ctx.alive():
                 ctx.restart()
+            if sandbox_envs is not None:
+                ctx.apply_sandbox_envs(sandbox_envs)
             self.send_response(200)
             self.send_header("Content-Type", "application/x-ndjson")
             self.send_header("Transfer-Encoding", "chunked")
@@ -575,6 +597,23 @@ class Handler(BaseHTTPRequestHandler):
             return sock.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy to envd
+
+
+def _sandbox_envs(token: str | None) -> dict[str, str] | None:
+    """The sandbox's environment variables, asked of its envd (`GET /envs`) with
+    the access token the SDK sent; None if envd does not say."""
+    request = urllib.request.Request(ENVD_ENVS, headers={"X-Access-Token": token or ""})
+    try:
+        with _DIRECT.open(request, timeout=2) as answer:
+            envs = json.loads(answer.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(envs, dict):
+        return None
+    return {str(k): str(v) for k, v in envs.items()}
 
 
 def _opt_str(body: dict[str, Any], key: str) -> str | None:

@@ -177,6 +177,16 @@ def test_env_vars_apply_to_one_run(sbx: Sandbox) -> None:
     assert sbx.run_code(code).text == "'None'"
 
 
+def test_sandbox_env_vars_from_create_reach_the_kernel(node: NodeProc) -> None:
+    s = Sandbox.create(envs={"AENV_FROM_CREATE": "yes"}, timeout=120, request_timeout=300)
+    try:
+        assert s.run_code("import os; os.environ['AENV_FROM_CREATE']").text == "'yes'"
+        bash = s.run_code("echo $AENV_FROM_CREATE", language="bash")
+        assert bash.logs.stdout == ["yes\n"]
+    finally:
+        s.kill()
+
+
 def test_timeout_interrupts_the_run(sbx: Sandbox) -> None:
     sbx.run_code("n = 0")
     with pytest.raises(Exception, match="timed out"):
