@@ -351,7 +351,21 @@ class Interpreter:
         self._lock = threading.Lock()
         self._contexts: dict[str, Context] = {}
         self._defaults: dict[str, str] = {}  # language -> context id
+        self._envs: tuple[str | None, dict[str, str]] | None = None  # token, envd's env vars
         self.ready = threading.Event()
+
+    def sandbox_envs(self, token: str | None) -> dict[str, str] | None:
+        """The sandbox's env vars (`_sandbox_envs`), asked once per access token:
+        they are set when the sandbox is made (create, fork, restore), which
+        always gives it a new token."""
+        with self._lock:
+            if self._envs is not None and self._envs[0] == token:
+                return self._envs[1]
+        envs = _sandbox_envs(token)
+        if envs is not None:
+            with self._lock:
+                self._envs = (token, envs)
+        return envs
 
     def start_default(self) -> None:
         """Start and warm the default python context; exit the server if that
@@ -562,7 +576,7 @@ class Handler(BaseHTTPRequestHandler):
         context_id = _opt_str(body, "context_id")
         language = _opt_str(body, "language")
         ctx = self.interp.get(context_id) if context_id else self.interp.default_context(language)
-        sandbox_envs = _sandbox_envs(self.headers.get("X-Access-Token"))
+        sandbox_envs = self.interp.sandbox_envs(self.headers.get("X-Access-Token"))
         with ctx.lock:
             if not ctx.alive():
                 ctx.restart()
