@@ -75,6 +75,17 @@ class Config:
     max_sandboxes: int = 256
     default_cpu: int = 2
     default_memory_mb: int = 512
+    # Processes (threads included) each user of a sandbox may run at once
+    # (AENV_PROCESS_LIMIT): past it fork/clone fail with EAGAIN inside. None:
+    # one per 2 MiB of the sandbox's memory, at least 128 (256 for 512 MiB).
+    process_limit: int | None = None
+    # How far above its size a sandbox's host memory limit is (AENV_MEMORY_HEADROOM_MB;
+    # at least an eighth of the size): the runtime's own memory and the room the
+    # in-sandbox OOM killer acts in before the host would kill the whole sandbox.
+    memory_headroom_mb: int = 256
+    # Every sandbox's disk: what it may write (its writable layer and /tmp),
+    # in MiB (AENV_SANDBOX_DISK_MB; 0: unbounded, the host's disk).
+    sandbox_disk_mb: int = 10240
     # The last characters of this node's sandbox IDs (AENV_NODE_TAG), a hint of
     # where a sandbox runs; None: derived from the node's id (`effective_node_tag`).
     node_tag: str | None = None
@@ -200,6 +211,10 @@ class Config:
         """The API's scheme: https when the node serves TLS."""
         return "https" if self.tls_cert is not None else "http"
 
+    def process_limit_for(self, memory_mb: int) -> int:
+        """The process limit of a sandbox of `memory_mb` (`process_limit`)."""
+        return self.process_limit or max(128, memory_mb // 2)
+
     @property
     def effective_store_url(self) -> str | None:
         """The object store's URL, or None when durable storage is off."""
@@ -289,6 +304,20 @@ class Config:
             if value not in ("keep", "stop"):
                 raise ValueError(f"AENV_ON_STOP must be keep or stop, not {value!r}")
             kw["on_stop"] = value
+        for name, attr, least in (
+            ("AENV_PROCESS_LIMIT", "process_limit", 16),
+            ("AENV_MEMORY_HEADROOM_MB", "memory_headroom_mb", 64),
+        ):
+            if env.get(name):
+                number = int(env[name])
+                if number < least:
+                    raise ValueError(f"{name} must be at least {least}, not {number}")
+                kw[attr] = number
+        if env.get("AENV_SANDBOX_DISK_MB"):
+            disk = int(env["AENV_SANDBOX_DISK_MB"])
+            if disk != 0 and disk < 64:
+                raise ValueError(f"AENV_SANDBOX_DISK_MB must be 0 or at least 64, not {disk}")
+            kw["sandbox_disk_mb"] = disk
         if env.get("AENV_POOL_SIZE"):
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
         if env.get("AENV_STORE_URL"):

@@ -82,16 +82,6 @@ def wait_for(what: str, check: Callable[[], Any], within: float = 120.0) -> Any:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def claim(lab: Lab, sid: str) -> dict[str, Any] | None:
-    assert lab.s3 is not None
-    try:
-        body = lab.s3.boto().get_object(Bucket="aenv-lab", Key=f"cluster/cluster/sandboxes/{sid}")
-    except Exception:
-        return None
-    doc: dict[str, Any] = json.loads(body["Body"].read())
-    return doc
-
-
 def members(node: LabNode) -> dict[str, str]:
     with node.client() as api:
         return {m["nodeID"]: m["state"] for m in api.get("/cluster/members").json()}
@@ -120,7 +110,7 @@ def park(lab: Lab, sbx: Sandbox) -> int:
     sbx.pause()
     wait_for(
         "paused-durable",
-        lambda: (c := claim(lab, sbx.sandbox_id)) is not None and c["state"] == "paused-durable",
+        lambda: (c := lab.claim(sbx.sandbox_id)) is not None and c["state"] == "paused-durable",
     )
     return pid
 

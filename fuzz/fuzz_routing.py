@@ -8,7 +8,10 @@ returns a `Route`, returns None, or raises `RoutingError`, nothing else; a
 routing wins whenever either routing header is present and returns exactly
 what the headers say; host routing happens only when a domain is configured
 and the Host is `{port}-{id}.{domain}` for exactly that domain (ASCII
-case-insensitive); a well-formed Host for the domain is always routed. Runs
+case-insensitive); a well-formed Host for the domain is always routed; a
+Host no server could have (longer than a DNS name, a label over 63
+characters or empty, not IDNA-encodable) is a `RoutingError` whatever else
+the request says. Runs
 under pytest (short: 200 examples; `AENV_FUZZ_LONG=1`: 50 000;
 `AENV_FUZZ_EXAMPLES=N`: N) or standalone with `python fuzz/fuzz_routing.py`
 (atheris if importable, else repeated hypothesis rounds).
@@ -19,12 +22,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+import pytest
 from _harness import FUZZ, main
-from hypothesis import event, given
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 from aenv.proto.ids import RANDOM_LEN, SANDBOX_ID_RE, is_sandbox_id, new_sandbox_id
-from aenv.proto.routing import Route, RoutingError, route
+from aenv.proto.routing import Route, RoutingError, check_host, route
 
 ID_HEADER = "e2b-sandbox-id"
 PORT_HEADER = "e2b-sandbox-port"
@@ -170,7 +174,20 @@ def _route(headers: dict[str, str], domain: str | None) -> Route | None:
     return r
 
 
+def _host_ok(headers: dict[str, str]) -> bool:
+    try:
+        check_host(headers.get("host", ""))
+    except RoutingError:
+        return False
+    return True
+
+
 def _check_any(headers: dict[str, str], domain: str | None) -> None:
+    if not _host_ok(headers):  # refused, whatever else the request says
+        with pytest.raises(RoutingError):
+            route(headers, domain)
+        event("hostile host")
+        return
     r = _route(headers, domain)
     if domain is None and ID_HEADER not in headers and PORT_HEADER not in headers:
         # Without a domain and routing headers every request is control plane.
@@ -221,6 +238,7 @@ def test_well_formed_host_is_routed(
 @given(sid=valid_ids, port=st.integers(1, 65535), host=st.text(max_size=30), domain=maybe_domains)
 def test_headers_win(sid: str, port: int, host: str, domain: str | None) -> None:
     headers = {ID_HEADER: f" {sid} ", PORT_HEADER: f"{port}\t", "host": host}
+    assume(_host_ok(headers))
     assert _route(headers, domain) == Route(sid, port)
 
 
@@ -237,7 +255,35 @@ def test_one_routing_header_is_an_error(value: str, which: str) -> None:
     raise AssertionError(f"only {which} given, no RoutingError")
 
 
+hostile_hosts = st.one_of(
+    st.integers(260, 20_000).map(lambda n: "a" * n),
+    st.integers(64, 5_000).map(lambda n: f"49983-{'b' * n}.sbx.example.com"),
+    st.lists(st.sampled_from(["a", "", "xn--", "é"]), min_size=2, max_size=6)
+    .map(".".join)
+    .filter(lambda h: ".." in h or h.startswith(".")),
+)
+
+
+@FUZZ
+@given(host=hostile_hosts, domain=maybe_domains, sid=valid_ids, routed=st.booleans())
+def test_hostile_host_is_a_routing_error(
+    host: str, domain: str | None, sid: str, routed: bool
+) -> None:
+    """A Host no server could have (too long, a label over 63 or empty) is
+    refused whatever else the request says: the app behind would fail on it."""
+    headers = {"host": host}
+    if routed:
+        headers.update({ID_HEADER: sid, PORT_HEADER: "49983"})
+    try:
+        route(headers, domain)
+    except RoutingError:
+        event("rejected")
+        return
+    raise AssertionError(f"hostile Host {host[:40]!r}... routed")
+
+
 TESTS: tuple[Callable[[], None], ...] = (
+    test_hostile_host_is_a_routing_error,
     test_route_arbitrary,
     test_route_near_valid,
     test_host_route_near_valid,

@@ -29,13 +29,23 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.registry import registry, registry_auth  # noqa: F401  (fixtures)
+
+# Property tests check behaviour, never timing: no per-example deadline (a busy
+# CI machine makes a 200 ms default fail at random), and no "too slow" checks.
+settings.register_profile(
+    "aenv", deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
+)
+settings.load_profile("aenv")
 
 REPO = Path(__file__).resolve().parent.parent
 # Overridable so two test runs on one machine never share network state.
 NET_PREFIX = os.environ.get("AENV_TEST_NET_PREFIX", "aenvs")
 SLOT_CIDR = os.environ.get("AENV_TEST_SLOT_CIDR", "10.233.0.0/16")
+# Every test node's sandbox disk size (MiB).
+TEST_DISK_MB = 512
 
 
 def _dead_mounts_under(root: Path) -> list[Path]:
@@ -132,6 +142,8 @@ def start_node(
             "AENV_REGISTRY_TIMEOUT": "3",
             # A stopped test node leaves nothing behind (restart tests keep them).
             "AENV_ON_STOP": "stop",
+            # Small disks: a test fills one in seconds (tests.e2e.test_disk).
+            "AENV_SANDBOX_DISK_MB": str(TEST_DISK_MB),
         }
     )
     env.update(extra_env or {})

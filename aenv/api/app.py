@@ -12,8 +12,11 @@ with 400 (or 501 for whole endpoints), never silently ignored.
 
 from __future__ import annotations
 
+from typing import Any
+
 from quart import Response, request
 from quart_trio import QuartTrio
+from quart_trio.wrappers import TrioRequest
 
 from aenv.api import (
     builds,
@@ -24,6 +27,7 @@ from aenv.api import (
     logs,
     sandboxes,
     snapshots,
+    tags,
     templates,
 )
 from aenv.api.auth import api_key_refusal
@@ -39,10 +43,20 @@ BLUEPRINTS = (
     snapshots.bp,
     templates.bp,
     builds.bp,  # template builds (Template.build)
+    tags.bp,  # template tags, PATCH of templates, default templates
     images.bp,
     exec_ws.bp,  # the exec WebSocket (docs/exec-protocol.md)
     cluster.bp,  # members, each node's own sandboxes, the nodes' links
 )
+
+
+class _Request(TrioRequest):
+    """Quart's request, without the body cap for COPY uploads (streamed to disk)."""
+
+    def __init__(self, method: str, scheme: str, path: str, *args: Any, **kwargs: Any) -> None:
+        if path.startswith(builds.UPLOAD_PREFIX):
+            kwargs["max_content_length"] = None
+        super().__init__(method, scheme, path, *args, **kwargs)
 
 
 def create_app(
@@ -51,6 +65,7 @@ def create_app(
     """The REST app: sandbox operations go to `service`; templates, snapshots,
     images, builds and metrics are `node`'s."""
     app = QuartTrio("aenv")
+    app.request_class = _Request
     app.config["MAX_CONTENT_LENGTH"] = node.config.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     # never redirect `//x` to `/x`: an ID or name with a slash is just not found
@@ -64,6 +79,8 @@ def create_app(
 
     @app.before_request
     async def _auth() -> Response | None:
+        if request.path.startswith(builds.UPLOAD_PREFIX):
+            return None  # a signed upload URL: its route checks the signature
         # Consume the (size-capped) body before any early answer: a keep-alive
         # connection whose request body was left unread stalls the next request.
         await request.get_data()

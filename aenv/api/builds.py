@@ -1,8 +1,10 @@
 """The E2B template build API: what the SDKs' `Template.build` calls.
 
 `POST /v3/templates` reserves a build (a new template ID for a new name, the
-same one for a rebuild), `GET /templates/{id}/files/{hash}` answers COPY
-uploads (none are taken yet: the build then fails at that step), `POST
+same one for a rebuild), `GET /templates/{id}/files/{hash}` says whether the
+node holds a COPY step's files and, if not, names the signed URL to `PUT`
+them to (`PUT /build-files/{hash}`, `aenv.node.buildfiles`: served by this
+node, content-addressed, resumable, outside the API key check), `POST
 /v2/templates/{id}/builds/{build}` validates the steps and starts the build
 in the background (`aenv.node.builds`), and `GET
 /templates/{id}/builds/{build}/status` and `/logs` report its state and logs.
@@ -14,14 +16,15 @@ BuildLogEntry, BuildStatusReason, TemplateBuildFileUpload).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import trio
 from quart import Blueprint, Response, request
 
 from aenv.api import views
-from aenv.api.common import ApiError, deps, json_response, read_body
+from aenv.api.common import ApiError, deps, error_response, json_response, read_body
+from aenv.node.buildfiles import BadUpload, parse_content_range
 from aenv.node.builds import (
     STEP_TYPES,
     Build,
@@ -31,6 +34,7 @@ from aenv.node.builds import (
     BuildSpec,
     Step,
 )
+from aenv.node.buildtags import DEFAULT_TAG, BadTag, check_tag
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.storage.templates import TemplateNotFound
@@ -40,7 +44,13 @@ MAX_ARG = 1024 * 1024
 DEFAULT_LOG_LIMIT = 100
 MAX_LOG_LIMIT = 1000
 LEVELS = ("debug", "info", "warn", "error")
+# bound on a build's `diskSizeMB` (MiB): 16 TiB
+MAX_DISK_MB = 16 << 20
+START_WAIT_S = 0.2
 _HASH = re.compile(r"[0-9a-f]{64}")
+# Where COPY uploads go (signed URLs; app.py exempts them from the API key
+# check and the request body cap).
+UPLOAD_PREFIX = "/build-files/"
 
 bp = Blueprint("builds", __name__)
 
@@ -71,16 +81,22 @@ def parse_build_start(body: object) -> BuildSpec:
         except InvalidReference as e:
             raise BadBuild(f"fromImage: {e}") from None
     if from_template is not None:
+        name, _, tag = from_template.partition(":")
         try:
-            check_name(from_template, "fromTemplate")
-        except InvalidName as e:
+            check_name(name, "fromTemplate")
+            if tag:
+                check_tag(tag)
+        except (InvalidName, BadTag) as e:
             raise BadBuild(str(e)) from None
     if body.get("fromImageRegistry") is not None:
         raise BadBuild(
             "fromImageRegistry (registry credentials in the build request) is not supported "
             "by this node: put the credentials in the node's registry auth file instead"
         )
-    if not isinstance(body.get("force", False), bool):
+    force = body.get("force", False)
+    if force is None:
+        force = False
+    if not isinstance(force, bool):
         raise BadBuild("force must be a boolean")
     raw_steps = body.get("steps") or []
     if not isinstance(raw_steps, list):
@@ -101,13 +117,24 @@ def parse_build_start(body: object) -> BuildSpec:
             isinstance(a, str) and len(a) <= MAX_ARG and "\0" not in a for a in args
         ):
             raise BadBuild(f"steps[{i - 1}].args must be a list of strings")
-        steps.append(Step(str(kind), tuple(args)))
+        files_hash = raw.get("filesHash")
+        if files_hash is not None and (
+            not isinstance(files_hash, str) or not _HASH.fullmatch(files_hash)
+        ):
+            raise BadBuild(f"steps[{i - 1}].filesHash must be a lowercase hex SHA-256")
+        if kind == "COPY" and (files_hash is None or len(args) < 2):
+            raise BadBuild(f"steps[{i - 1}]: COPY needs a source, a destination and filesHash")
+        step_force = raw.get("force") or False
+        if not isinstance(step_force, bool):
+            raise BadBuild(f"steps[{i - 1}].force must be a boolean")
+        steps.append(Step(str(kind), tuple(args), files_hash=files_hash, force=step_force))
     return BuildSpec(
         from_image=from_image,
         from_template=from_template,
         steps=tuple(steps),
         start_cmd=_opt_str(body, "startCmd"),
         ready_cmd=_opt_str(body, "readyCmd"),
+        force=force,
     )
 
 
@@ -178,9 +205,13 @@ async def build_request() -> Response:
     if not isinstance(name, str) or not name:
         raise ApiError(400, "name is required and must be a string")
     name, _, tag = name.partition(":")
-    tags = body.get("tags")
-    if tag or tags:
-        raise ApiError(400, "template tags are not supported by this node yet")
+    raw_tags = body.get("tags") or []
+    if not isinstance(raw_tags, list) or not all(isinstance(t, str) for t in raw_tags):
+        raise ApiError(400, "tags must be a list of strings")
+    try:
+        tags = tuple(dict.fromkeys(check_tag(t) for t in ([tag] if tag else []) + raw_tags))
+    except BadTag as e:
+        raise ApiError(400, str(e)) from None
     sizes: dict[str, int] = {}
     for key, low, high, default in (
         ("cpuCount", 1, node.limits.max_cpu, node.config.default_cpu),
@@ -193,9 +224,18 @@ async def build_request() -> Response:
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ApiError(400, f"{key} must be an integer from {low} to {high}")
         sizes[key] = value
+    disk = body.get("diskSizeMB")  # aenv's: its sandboxes' disk size (None: the node's)
+    if disk is not None and (
+        not isinstance(disk, int) or isinstance(disk, bool) or not 64 <= disk <= MAX_DISK_MB
+    ):
+        raise ApiError(400, f"diskSizeMB must be an integer from 64 to {MAX_DISK_MB}")
     try:
         b = await node.builds.request(
-            name, cpu_count=sizes["cpuCount"], memory_mb=sizes["memoryMB"]
+            name,
+            cpu_count=sizes["cpuCount"],
+            memory_mb=sizes["memoryMB"],
+            disk_mb=disk,
+            tags=tags or (DEFAULT_TAG,),
         )
     except InvalidName as e:
         raise ApiError(400, str(e)) from None
@@ -208,7 +248,7 @@ async def build_request() -> Response:
             "public": True,
             "names": [b.name],
             "aliases": [b.name],
-            "tags": [],
+            "tags": list(b.tags),
         },
         202,
     )
@@ -224,9 +264,45 @@ async def build_files(template_id: str, files_hash: str) -> Response:
             await trio.to_thread.run_sync(node.templates.resolve, template_id)
         except (TemplateNotFound, InvalidName):
             raise ApiError(404, f"template {template_id!r} not found") from None
-    # No uploads are taken: "present" makes the SDK skip the upload, and the
-    # build fails at its COPY step with a clear message.
-    return json_response({"present": True}, 201)
+    files = node.builds.files
+    if await trio.to_thread.run_sync(files.present, files_hash):
+        return json_response({"present": True}, 201)
+    url = f"{request.host_url.rstrip('/')}{UPLOAD_PREFIX}{files_hash}?{files.upload_query(files_hash)}"
+    return json_response({"present": False, "url": url}, 201)
+
+
+async def _body_chunks() -> AsyncIterator[bytes]:
+    async for chunk in request.body:
+        yield chunk
+
+
+@bp.put(f"{UPLOAD_PREFIX}<files_hash>")
+async def build_files_upload(files_hash: str) -> Response:
+    """The upload a files answer points to (signed: no API key)."""
+    files = deps().node.builds.files
+    try:
+        files.path(files_hash)
+        files.check_signature(
+            files_hash, request.args.get("expires", ""), request.args.get("sig", "")
+        )
+        raw_range = request.headers.get("Content-Range")
+        content_range = parse_content_range(raw_range) if raw_range else None
+        whole = await files.receive(files_hash, _body_chunks(), content_range)
+    except BadUpload as e:
+        if e.status in (308, 416):
+            have = await trio.to_thread.run_sync(files.received, files_hash)
+            resp = Response("", status=e.status)
+            if have:
+                resp.headers["Range"] = f"bytes=0-{have - 1}"
+        else:
+            resp = error_response(e.status, e.message)
+        # the body may be unread: the connection cannot carry another request
+        resp.headers["Connection"] = "close"
+        return resp
+    if whole:
+        return Response("", status=200)
+    have = await trio.to_thread.run_sync(files.received, files_hash)
+    return Response("", status=308, headers={"Range": f"bytes=0-{have - 1}"})
 
 
 @bp.post("/v2/templates/<template_id>/builds/<build_id>")
@@ -240,6 +316,10 @@ async def build_start(template_id: str, build_id: str) -> Response:
         deps().node.builds.start(b, spec)
     except BuildConflict as e:
         raise ApiError(409, str(e)) from None
+    # A build the cache holds whole is over in a few milliseconds: answer once
+    # it is, so the SDK's first status poll sees it done (not a poll later).
+    with trio.move_on_after(START_WAIT_S):
+        await b.done.wait()
     return Response("", status=202)
 
 

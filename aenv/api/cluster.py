@@ -16,8 +16,6 @@
 
 from __future__ import annotations
 
-import json
-
 import httpx
 from quart import Blueprint, Response, request, websocket
 
@@ -25,6 +23,7 @@ from aenv.api.common import ApiError, deps, json_response
 from aenv.cluster.cluster import measure_load
 from aenv.cluster.moves import MoveError
 from aenv.node.service import LocalSandboxService
+from aenv.proto import jsonbody
 from aenv.proto.clusterroute import HOP_HEADER
 
 DRAIN_TIMEOUT_S = 3600.0
@@ -53,7 +52,7 @@ async def members() -> Response:
 @bp.get("/cluster/v1/sandboxes")
 async def own_sandboxes() -> Response:
     try:
-        metadata = json.loads(request.args.get("metadata") or "{}")
+        metadata = jsonbody.loads(request.args.get("metadata") or "{}")
     except ValueError:
         raise ApiError(400, "metadata must be a JSON object") from None
     if not isinstance(metadata, dict) or not all(

@@ -23,6 +23,7 @@ from aenv.cluster.member import ClusterMember
 from aenv.kit.mailbox import Busy
 from aenv.node import service as sv
 from aenv.node.node import Node
+from aenv.proto import jsonbody
 
 log = logging.getLogger("aenv.api")
 
@@ -153,8 +154,8 @@ async def read_body() -> Any:
     if not data:
         return None
     try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+        return jsonbody.loads(data)
+    except jsonbody.JSONBodyError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
 

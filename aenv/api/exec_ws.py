@@ -32,6 +32,7 @@ from aenv.node import service as sv
 from aenv.node.envd_client import EnvdClient
 from aenv.proto import connect as cn
 from aenv.proto import envd_schema as es
+from aenv.proto import jsonbody
 from aenv.proto.pb import DecodeError, Message
 from aenv.runtimes.base import ENVD_PORT
 
@@ -116,7 +117,7 @@ def parse_start(raw: str | bytes) -> StartSpec:
     if isinstance(raw, bytes):
         raise ProtocolError("the first message must be a JSON text frame of type start")
     try:
-        msg = json.loads(raw)
+        msg = jsonbody.loads(raw)
     except ValueError as e:
         raise ProtocolError(f"invalid JSON: {e}") from None
     if not isinstance(msg, dict) or msg.get("type") != "start":
@@ -295,7 +296,7 @@ class ExecSession:
         if not raw:
             return
         try:
-            msg = json.loads(raw)
+            msg = jsonbody.loads(raw)
         except ValueError as e:
             raise ProtocolError(f"invalid JSON: {e}") from None
         kind = msg.get("type") if isinstance(msg, dict) else None

@@ -28,6 +28,7 @@ from aenv.api.common import (
     read_body,
 )
 from aenv.node import service as sv
+from aenv.proto import jsonbody
 from aenv.proto import requests as rq
 
 bp = Blueprint("sandboxes", __name__)
@@ -96,7 +97,7 @@ async def list_v2() -> Response:
     token = request.args.get("nextToken")
     if token:
         try:
-            after = json.loads(base64.urlsafe_b64decode(token.encode()))
+            after = jsonbody.loads(base64.urlsafe_b64decode(token.encode()))
             cursor = (float(after[0]), str(after[1]))
         except (ValueError, TypeError, IndexError, KeyError):
             raise ApiError(400, "invalid nextToken") from None

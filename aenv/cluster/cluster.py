@@ -119,6 +119,15 @@ class Mover(Protocol):
         """Around a resume of `sid` here: its claim says running first."""
         ...
 
+    async def make_room(self, sid: str) -> Member | None:
+        """Before a resume of `sid` here: the node it was moved to for want of
+        memory here (None: resume it here)."""
+        ...
+
+    async def arrived(self, sid: str) -> None:
+        """Return once `sid` is no longer being taken up here."""
+        ...
+
 
 class Cluster:
     """`ClusterView` over this node and the members it knows."""
@@ -137,7 +146,7 @@ class Cluster:
         self.tag = node.config.effective_node_tag
         self._members = members
         self._here = here  # this node's load as last measured
-        self._rng = rng or random.Random()
+        self.rng = rng or random.Random()
         self.draining = False
         self.ownership: Ownership | None = None  # set once the node's lease is live
         self.pending = placement.Pending()
@@ -243,6 +252,20 @@ class Cluster:
             return m.as_peer()
         return Peer(view.claim.node, view.owner_url, "dead") if copy else None
 
+    async def arrived(self, sandbox_id: str) -> None:
+        """Return once `sandbox_id` is no longer being taken up here (its claim
+        taken over, its restore under way)."""
+        if self.moves is not None:
+            await self.moves.arrived(sandbox_id)
+
+    async def make_room(self, sandbox_id: str) -> Peer | None:
+        """Before a connect or resume of `sandbox_id` here: the node it was moved
+        to because this node has no memory to resume it (None: resume it here)."""
+        if self.moves is None:
+            return None
+        moved = await self.moves.make_room(sandbox_id)
+        return None if moved is None else moved.as_peer()
+
     def _unclaimed_here(self, sandbox_id: str) -> bool:
         """This node has the sandbox but no claim on it while it may serve."""
         own = self.ownership
@@ -280,10 +303,10 @@ class Cluster:
         nodes = self.pending.apply(placement.share_host(loads.values(), here), now)
         # a snapshot (or a template) only some nodes hold goes to one of them first
         holders = [n for n in nodes if template is not None and template in n.templates]
-        ranked = placement.rank(holders, template=template, memory_mb=memory_mb, rng=self._rng)
+        ranked = placement.rank(holders, template=template, memory_mb=memory_mb, rng=self.rng)
         ranked += [
             n
-            for n in placement.rank(nodes, template=template, memory_mb=memory_mb, rng=self._rng)
+            for n in placement.rank(nodes, template=template, memory_mb=memory_mb, rng=self.rng)
             if n not in ranked
         ]
         if not ranked:  # nobody reports room: try here (the node answers why not)

@@ -23,6 +23,11 @@ runs.
   each is tried first by one surviving node (rendezvous hashing of its ID over
   the live nodes), then by the next after a delay; the compare-and-swap lets
   only one win.
+- **Making room** (`make_room`): a connect or resume of a sandbox paused on
+  disk here, on a node whose memory cannot take it now (`placement.
+  room_to_resume`), hands the sandbox to the other node with the most room
+  (as a drain hands a paused one over); the call then goes on to that node,
+  which resumes it.
 - **Drain** (`drain`): the node gossips that it is draining (placement skips
   it), pauses each running sandbox to disk with its memory, makes it durable,
   hands its claim to another node (`Ownership.hand_over`) and asks that node
@@ -57,9 +62,11 @@ from aenv.cluster.leases import (
 )
 from aenv.kit import mailbox
 from aenv.node.node import Node, SandboxConflict, SandboxNotFound
+from aenv.node.pressure import read_meminfo
 from aenv.node.sandbox import Hibernate, Pause, Resume, SandboxActor, SandboxNotRunning
 from aenv.node.snapshots import CorruptSnapshot, is_paused_copy
 from aenv.proto import lifecycle as lc
+from aenv.proto import placement
 from aenv.proto.clusterroute import HOP_HEADER
 from aenv.proto.ownership import ClaimStatus
 from aenv.storage.objstore import ObjectNotFound, StoreError
@@ -75,6 +82,8 @@ ADOPT_STAGGER_S = 20.0
 ADOPT_CONCURRENCY = 4
 DRAIN_CONCURRENCY = 2
 PAUSE_S = 300.0
+# sandboxes moved to make room remembered (a concurrent resume goes after them)
+MADE_ROOM_KEPT = 1000
 
 
 def paused_key(sid: str, epoch: int) -> str:
@@ -149,6 +158,8 @@ class Moves:
         self._handed: set[str] = set()  # handed to another node, still here until killed
         self._moving: set[str] = set()  # being drained: `Owners` leaves their claims alone
         self._locks: dict[str, trio.Lock] = {}
+        self._room_locks: dict[str, trio.Lock] = {}
+        self._made_room: dict[str, Member] = {}  # moved away to make room, to whom
         self._watched: dict[str, int] = {}  # dead or left members looked at, by incarnation
         self._limiter = trio.CapacityLimiter(ADOPT_CONCURRENCY)
         self.draining = False
@@ -339,6 +350,14 @@ class Moves:
             yield
         finally:
             self._adopting.discard(sid)
+
+    async def arrived(self, sid: str) -> None:
+        """Return once `sid` is no longer being taken up here (a call for a sandbox
+        whose claim this node took over waits for its restore, not a 404)."""
+        if sid in self._adopting:
+            with trio.move_on_after(PAUSE_S):
+                async with self._locks[sid]:
+                    pass
 
     async def adopt(self, sid: str, *, fence: bool = True) -> SandboxActor:
         """Take up paused-durable sandbox `sid` here: its claim (fencing its node
@@ -541,6 +560,68 @@ class Moves:
         if not report.failed:
             await leave()
         return report
+
+    # -- making room ----------------------------------------------------------------
+
+    async def make_room(self, sid: str) -> Member | None:
+        """Before a resume of `sid` here: if it is paused on disk and this node's
+        memory cannot take it, hand it to the node with the most room and return
+        that node (the caller sends the resume there). None: resume it here (it
+        is running, in memory, not here, or no other node has room either)."""
+        lock = self._room_locks.setdefault(sid, trio.Lock())
+        async with lock:
+            try:
+                actor = self.node.get(sid)
+            except SandboxNotFound:
+                return self._made_room.get(sid)  # moved by a call just before this one
+            if (
+                self.draining
+                or sid in self._moving
+                or actor.state is not lc.State.PAUSED
+                or not actor.on_disk
+                or actor.frozen_pause
+            ):
+                return None
+            available, total = read_meminfo()
+            low_pct = self.node.config.hibernate_memory_low_pct
+            if placement.room_to_resume(available, total, low_pct, actor.memory_mb):
+                return None
+            target = self._roomiest(actor.memory_mb)
+            if target is None:
+                log.warning(
+                    "no room to resume sandbox %s here (%d MiB available) nor on another node",
+                    sid,
+                    available >> 20,
+                )
+                return None
+            log.info(
+                "no room to resume sandbox %s here (%d MiB available): moving it to %s",
+                sid,
+                available >> 20,
+                target.id,
+            )
+            try:
+                await self._move(actor, target)
+            except Exception as exc:
+                log.error("moving sandbox %s to %s to make room failed: %r", sid, target.id, exc)
+                return None
+            self._made_room[sid] = target
+            while len(self._made_room) > MADE_ROOM_KEPT:
+                del self._made_room[next(iter(self._made_room))]
+            return target
+
+    def _roomiest(self, memory_mb: int) -> Member | None:
+        """The other node best placed to resume a sandbox of `memory_mb`."""
+        members = {m.id: m for m in self._targets()}
+        loads = [
+            load
+            for m in members.values()
+            if (load := m.load).mem_free - memory_mb * 2**20 > 0 and load.has_room
+        ]
+        ranked = placement.rank(
+            loads, template=None, memory_mb=memory_mb, k=len(loads), rng=self.cluster.rng
+        )
+        return members[ranked[0].node] if ranked else None
 
     def _targets(self) -> list[Member]:
         return [

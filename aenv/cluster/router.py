@@ -87,6 +87,16 @@ class ClusterView(Protocol):
         """The node a sandbox this node made has moved to (None: not moved)."""
         ...
 
+    async def arrived(self, sandbox_id: str) -> None:
+        """Return once the sandbox is no longer being taken up here (its restore
+        after this node took its claim over)."""
+        ...
+
+    async def make_room(self, sandbox_id: str) -> Peer | None:
+        """Before a resume of a sandbox here: the node it was moved to because
+        this node has no memory to resume it (None: resume it here)."""
+        ...
+
 
 class ClusterRouter:
     def __init__(
@@ -137,7 +147,14 @@ class ClusterRouter:
 
     async def _here(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str) -> None:
         """Serve a call about a sandbox here, unless this node may not serve now."""
+        await self.cluster.arrived(sandbox_id)
         why = self.cluster.not_serving() if self.cluster.runs_here(sandbox_id) else None
+        if why is None and _resumes(scope, sandbox_id):
+            roomier = await self.cluster.make_room(sandbox_id)
+            if roomier is not None:  # no memory here to resume it: moved there
+                self.counter(scope["type"])
+                await self._forward(roomier, scope, receive, send)
+                return
         if why is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":

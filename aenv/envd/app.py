@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import logging
 import os
 import time
@@ -28,6 +27,7 @@ from aenv.envd.process import ProcessService
 from aenv.envd.rpc import CallContext, ConnectRouter
 from aenv.envd.state import EnvdState, InitError
 from aenv.envd.users import UnknownUser, User, UserDB
+from aenv.proto import jsonbody
 from aenv.proto.connect import Code, ConnectError
 from aenv.proto.envd_schema import ENVD_VERSION
 
@@ -143,7 +143,7 @@ class EnvdApp:
             await response.error(400, "init body too large")
             return
         try:
-            body: Any = json.loads(raw) if raw.strip() else {}
+            body: Any = jsonbody.loads(raw) if raw.strip() else {}
         except ValueError as e:
             await response.error(400, f"invalid JSON: {e}")
             return

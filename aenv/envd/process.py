@@ -30,6 +30,7 @@ from typing import Any
 
 import trio
 
+from aenv.envd.guard import limit_processes
 from aenv.envd.rpc import CallContext, SendMessage
 from aenv.envd.state import EnvdState
 from aenv.envd.users import User, UserDB, process_env, resolve_path
@@ -89,6 +90,14 @@ def end_event(returncode: int) -> Message:
 
 def _set_ctty() -> None:  # runs in the child between fork and exec
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:  # runs in the child between fork and exec
+        first()
+        then()
+
+    return run
 
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:
@@ -265,6 +274,8 @@ class ProcessService:
         }
         if os.getuid() == 0:
             common.update(user=user.uid, group=user.gid, extra_groups=groups)
+        limit = self._state.process_limit
+        cap = None if limit is None else limit_processes(limit)
         if pty is not None:
             master, slave = os.openpty()
             size = pty.get("size") or {}
@@ -277,7 +288,7 @@ class ProcessService:
                     stdout=slave,
                     stderr=slave,
                     start_new_session=True,
-                    preexec_fn=_set_ctty,
+                    preexec_fn=_set_ctty if cap is None else _both(cap, _set_ctty),
                     **common,
                 )
             except BaseException:
@@ -295,6 +306,7 @@ class ProcessService:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             process_group=0,
+            preexec_fn=cap,
             **common,
         )
         mp.stdin = proc.stdin

@@ -22,6 +22,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from aenv.envd.app import EnvdApp
+from aenv.envd.guard import DEFAULT_PROCESS_LIMIT, watch_memory
 from aenv.envd.state import EnvdState
 
 DEFAULT_PORT = 49983
@@ -115,12 +116,20 @@ async def serve_envd(
     state: EnvdState | None = None,
     handle_signals: bool = True,
     access_log: bool = False,
+    guard: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve envd until cancelled (or a signal, when `handle_signals`)."""
+    """Serve envd until cancelled (or a signal, when `handle_signals`); with
+    `guard`, also keep the machine's memory and processes in bounds
+    (`aenv.envd.guard`: only as a sandbox's pid 1, never on a host)."""
     guard_hypercorn_h2()
     guard_hypercorn_idle_close()
     async with trio.open_nursery() as services:
+        if state is None:
+            state = EnvdState()
+        if guard:
+            state.process_limit = DEFAULT_PROCESS_LIMIT
+            services.start_soon(watch_memory)
         app = EnvdApp(services, state=state)
         config = hypercorn_config(host, port, access_log=access_log)
         trigger = _wait_for_signal if handle_signals else None
@@ -147,8 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    parser.add_argument(
+        "--guard", action="store_true", help="as a sandbox's pid 1: OOM killer and process limit"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    trio.run(lambda: serve_envd(host=args.host, port=args.port, access_log=args.access_log))
+    trio.run(
+        lambda: serve_envd(
+            host=args.host, port=args.port, access_log=args.access_log, guard=args.guard
+        )
+    )

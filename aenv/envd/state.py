@@ -51,6 +51,8 @@ class EnvdState:
     access_token: str | None = None
     last_init_time: float = float("-inf")
     initialized: bool = False
+    # RLIMIT_NPROC of user processes (None: unlimited); /init's `processLimit` sets it
+    process_limit: int | None = None
 
     def token_ok(self, presented: str | None) -> bool:
         """Whether a request presenting `presented` may pass (constant time)."""
@@ -102,6 +104,11 @@ class EnvdState:
             value = body.get(key)
             if value is not None and not isinstance(value, str):
                 raise InitError(400, f"{key} must be a string")
+        limit = body.get("processLimit")
+        if limit is not None:
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                raise InitError(400, "processLimit must be a positive integer")
+            self.process_limit = limit
         if body.get("defaultUser"):
             self.default_user = body["defaultUser"]
         if body.get("defaultWorkdir"):

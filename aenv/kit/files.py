@@ -3,16 +3,18 @@
 Blocking helpers (call them from a worker thread in async code). A file
 written with `write_atomic` is either the old one or the whole new one
 after a crash; `fsync_tree` flushes a directory's files and entries before
-a record that points at them is written.
+a record that points at them is written; `link_files` makes a cheap copy of
+a flat directory (a memory image) by hard links.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from pathlib import Path
 
-__all__ = ["fsync_dir", "fsync_tree", "write_atomic"]
+__all__ = ["fsync_dir", "fsync_tree", "link_files", "write_atomic"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -52,3 +54,15 @@ def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
         raise
     if sync_dir:
         fsync_dir(path.parent)
+
+
+def link_files(src: Path, dest: Path) -> None:
+    """Hard-link every file of directory `src` into new directory `dest`
+    (copied where a link is refused, as across file systems)."""
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copy2(f, dest / f.name)

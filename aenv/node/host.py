@@ -64,9 +64,13 @@ class NetworkSlots(Protocol):
 class WritableRoots(Protocol):
     """A sandbox's writable root: its layers with one upper directory on top."""
 
-    def open_root(self, lowers: Sequence[Path], workdir: Path) -> AbstractAsyncContextManager[Path]:
+    def open_root(
+        self, lowers: Sequence[Path], workdir: Path, *, disk_bytes: int = 0, carried_bytes: int = 0
+    ) -> AbstractAsyncContextManager[Path]:
         """A root over `lowers` (topmost first) with a fresh upper in `workdir`;
-        yields its path. Leaving the block removes `workdir`."""
+        yields its path. Leaving the block removes `workdir`. With `disk_bytes`,
+        the upper holds at most that much, `carried_bytes` of it used already
+        (what the sandbox wrote into `lowers`); 0: as much as the host has."""
         ...
 
     def adopt_root(self, workdir: Path) -> AbstractAsyncContextManager[Path]:

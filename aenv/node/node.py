@@ -28,7 +28,9 @@ tears itself down in its `finally`, as a node stop always did).
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
+import datetime
 import functools
 import itertools
 import logging
@@ -39,6 +41,7 @@ import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ import trio
 from aenv.config import Config
 from aenv.images.service import Images, open_images
 from aenv.images.store import ImageRecord
+from aenv.kit.files import link_files
 from aenv.kit.mailbox import Busy
 from aenv.kit.metrics import Registry
 from aenv.kit.supervisor import (
@@ -110,6 +114,29 @@ class SandboxNotFound(LookupError):
     def __init__(self, sandbox_id: str, why: str | None = None) -> None:
         super().__init__(f"sandbox {sandbox_id!r} " + (why or "not found"))
         self.sandbox_id = sandbox_id
+
+
+@dataclass(frozen=True)
+class Died:
+    """A sandbox whose runtime stopped by itself (a crash, the host's OOM killer),
+    kept for a while so that calls for it say so instead of "not found"."""
+
+    sandbox_id: str
+    template_id: str
+    metadata: dict[str, str]
+    started_at: float
+    died_at: float
+    cause: str
+    host_oom: bool
+
+    def why(self) -> str:
+        when = datetime.datetime.fromtimestamp(self.died_at, datetime.UTC)
+        return f"died at {when.isoformat(timespec='seconds')}: {self.cause}"
+
+
+# how many died sandboxes are remembered, and for how long
+DIED_KEPT = 1000
+DIED_KEPT_S = 3600.0
 
 
 class SandboxConflict(Exception):
@@ -184,6 +211,7 @@ class Node:
         self._sandboxes: dict[str, SandboxActor] = {}
         # sandboxes found dead at a restart: {id: what happened}, answered for a while
         self.lost: dict[str, str] = {}
+        self.died: collections.OrderedDict[str, Died] = collections.OrderedDict()
         self.builds = Builds(self, services)  # template builds (aenv.node.builds)
         self.durable = Durable(  # object store uploads (aenv.node.durable)
             config=config,
@@ -226,6 +254,14 @@ class Node:
         self.m_taken_back = self.metrics.counter(
             "aenv_sandboxes_taken_back_total",
             "Sandboxes taken back after a node restart, by state (running, frozen, paused)",
+        )
+        self.m_died = self.metrics.counter(
+            "aenv_sandboxes_died_total",
+            "Sandboxes whose runtime stopped by itself, by cause (host_oom, exited)",
+        )
+        self.m_oom_kills = self.metrics.counter(
+            "aenv_sandbox_oom_kills_total",
+            "Processes killed inside sandboxes because the sandbox's memory was used up",
         )
         self.m_lost = self.metrics.counter(
             "aenv_sandboxes_lost_total",
@@ -310,7 +346,7 @@ class Node:
     def get(self, sandbox_id: str) -> SandboxActor:
         actor = self._sandboxes.get(sandbox_id)
         if actor is None or actor.hidden:
-            raise SandboxNotFound(sandbox_id, self.lost.get(sandbox_id))
+            raise SandboxNotFound(sandbox_id, self.why_gone(sandbox_id))
         return actor
 
     def list(self) -> list[SandboxActor]:
@@ -327,8 +363,42 @@ class Node:
                     actor.lifecycle.reason.name.lower() if actor.lifecycle.reason else "unknown"
                 )
                 self.m_stopped.inc(reason=reason)
+                if actor.lifecycle.reason in (lc.StopReason.EXITED, lc.StopReason.CRASHED):
+                    self._record_died(actor)
         if not keep_files:
             shutil.rmtree(actor.workdir, ignore_errors=True)
+
+    def _record_died(self, actor: SandboxActor) -> None:
+        if actor.hidden or not actor.was_started:
+            return
+        cause = actor.exit_cause or f"its runtime failed ({actor.lifecycle.reason})"
+        died = Died(
+            sandbox_id=actor.sandbox_id,
+            template_id=actor.template.template_id,
+            metadata=dict(actor.metadata),
+            started_at=actor.started_at,
+            died_at=time.time(),
+            cause=cause,
+            host_oom=actor.host_oom_killed,
+        )
+        log.error("sandbox %s %s", actor.sandbox_id, died.why())
+        self.m_died.inc(cause="host_oom" if died.host_oom else "exited")
+        self.died[actor.sandbox_id] = died
+        while len(self.died) > DIED_KEPT:
+            self.died.popitem(last=False)
+
+    def died_recently(self) -> builtins.list[Died]:
+        """The sandboxes that died within `DIED_KEPT_S`, oldest first."""
+        cutoff = time.time() - DIED_KEPT_S
+        while self.died and next(iter(self.died.values())).died_at < cutoff:
+            self.died.popitem(last=False)
+        return list(self.died.values())
+
+    def why_gone(self, sandbox_id: str) -> str | None:
+        died = self.died.get(sandbox_id)
+        if died is not None and died.died_at >= time.time() - DIED_KEPT_S:
+            return died.why()
+        return self.lost.get(sandbox_id)
 
     async def collect_layers(self) -> None:
         """Remove frozen layers no sandbox uses (young ones stay: one may be mid-freeze)."""
@@ -470,6 +540,11 @@ class Node:
         gets a template of its own (`img-` and its digest) so sandboxes started
         from it can be paused, snapshotted and forked like any other.
         """
+        tagged = await self.builds.tagged(name) if ":" in name else None
+        if tagged is not None:  # `name:tag` of a built template (aenv.node.buildtags)
+            if tagged.image_key is not None:
+                await self.images.prepare(tagged.image_key)
+            return tagged
         try:
             template = await trio.to_thread.run_sync(self.templates.resolve, name)
         except (TemplateNotFound, InvalidName) as not_template:
@@ -667,6 +742,7 @@ class Node:
             "memory": memory,
             "cpuCount": source.cpu_count,
             "memoryMB": source.memory_mb,
+            "diskMB": source.disk_mb,
             "envdToken": source.envd_access_token,
         }
         return await self.services.run(
@@ -711,6 +787,7 @@ class Node:
             prior_token=str(doc.get("envdToken") or ""),
             cpu_count=int(doc.get("cpuCount") or template.cpu_count),
             memory_mb=int(doc.get("memoryMB") or template.memory_mb),
+            disk_mb=None if doc.get("diskMB") is None else int(doc["diskMB"]),
         )
 
     # -- moving paused sandboxes between nodes (a cluster's) ---------------------
@@ -740,6 +817,7 @@ class Node:
             "memory": copy.image is not None,
             "cpuCount": actor.cpu_count,
             "memoryMB": actor.memory_mb,
+            "diskMB": actor.disk_mb,
             "envdToken": actor.envd_access_token,
             "pausedKey": key,
             "sandbox": copy.record,
@@ -773,7 +851,7 @@ class Node:
             def place() -> None:
                 shutil.rmtree(workdir, ignore_errors=True)
                 workdir.mkdir(parents=True)
-                _link_files(source, workdir / str(image))
+                link_files(source, workdir / str(image))
 
             await trio.to_thread.run_sync(place)
         else:
@@ -942,6 +1020,7 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
         compression=config.checkpoint_compression,
         state_root=config.run_dir / "runsc",
         cgroup_parent=prefix,
+        memory_headroom_mb=config.memory_headroom_mb,
     )
     roots = OverlayRoots()
     live = await reap_leftovers(config, runtime=runtime, roots=roots)
@@ -1112,14 +1191,3 @@ def _missing_parts(actor: SandboxActor) -> str:
     if image is not None and not image.is_dir():
         gaps.append(str(image))
     return ", ".join(gaps)
-
-
-def _link_files(src: Path, dest: Path) -> None:
-    """Hard-link every file of directory `src` into new directory `dest` (blocking)."""
-    dest.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            try:
-                os.link(f, dest / f.name)
-            except OSError:
-                shutil.copy2(f, dest / f.name)

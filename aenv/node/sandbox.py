@@ -34,12 +34,15 @@ import trio
 from aenv.config import Config
 from aenv.kit.asgiforward import ForwardingClient
 from aenv.kit.faults import crash_point
-from aenv.kit.files import fsync_tree
+from aenv.kit.files import fsync_tree, link_files
 from aenv.kit.mailbox import Mailbox, Request
+from aenv.kit.metrics import Metric
 from aenv.node import capture
 from aenv.node.host import EnvdUnavailable, Host
+from aenv.node.oomwatch import follow_kills
 from aenv.proto import lifecycle as lc
 from aenv.proto.netpolicy import EgressPolicy
+from aenv.proto.oomevent import OomKill
 from aenv.proto.requests import NewSandbox
 from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
 from aenv.runtimes.netns import NetSlot
@@ -239,12 +242,20 @@ class SandboxHost(Protocol):
     host: Host
     layers: LayerStore
     meta: Metadata
+    # processes killed by sandboxes' OOM killer (aenv_sandbox_oom_kills_total)
+    m_oom_kills: Metric
 
     def forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
         """Take the actor out of the node's table (its task is ending)."""
         ...
 
     async def collect_layers(self) -> None: ...
+
+
+def disk_mb_of(template: Template, node_default: int) -> int:
+    """The disk size (MiB; 0: unbounded) of a new sandbox of `template`: the
+    template's own where it sets one, else the node's."""
+    return template.sandbox_disk_mb or node_default
 
 
 class SandboxActor:
@@ -254,6 +265,9 @@ class SandboxActor:
         self.node = node
         self.sandbox_id = sandbox_id
         self.template = template
+        # why the runtime stopped by itself, if it did (kept for the API once it is gone)
+        self.exit_cause: str | None = None
+        self.host_oom_killed = False
         self.metadata = dict(req.metadata)
         # The image's Env first; the caller's envVars override it.
         self.env_vars = {**template.env_map, **req.env_vars}
@@ -266,6 +280,8 @@ class SandboxActor:
         self.resume_at_start = False
         self.cpu_count = req.cpu_count or template.cpu_count
         self.memory_mb = req.memory_mb or template.memory_mb
+        # what it may write over its template, for its whole life (MiB; 0: unbounded)
+        self.disk_mb = disk_mb_of(template, node.config.sandbox_disk_mb)
         self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
         self.started_at = time.time()
@@ -461,7 +477,13 @@ class SandboxActor:
                 root = await period.enter_async_context(
                     host.roots.adopt_root(disk)
                     if adoption
-                    else host.roots.open_root(self.stack.lowers(), disk)
+                    else host.roots.open_root(
+                        self.stack.lowers(),
+                        disk,
+                        disk_bytes=self.disk_mb << 20,
+                        # what it wrote before (its pauses, its fork parent's) counts
+                        carried_bytes=sum(layer.size_bytes for layer in self.stack.layers),
+                    )
                 )
                 slot = await period.enter_async_context(
                     host.network.adopt_slot(int(adoption["slot"]))
@@ -857,6 +879,7 @@ class SandboxActor:
             "autoResume": self.auto_resume,
             "cpuCount": self.cpu_count,
             "memoryMB": self.memory_mb,
+            "diskMB": self.disk_mb,
             "startedAt": self.started_at,
             "pausedAt": self.paused_at,
             "remaining": self.lifecycle.remaining or 0.0,
@@ -955,6 +978,7 @@ class SandboxActor:
         actor.started_at = float(doc["startedAt"])
         actor.paused_at = doc.get("pausedAt")
         actor.pause_mode = str(doc["pauseMode"])
+        actor.disk_mb = int(doc.get("diskMB", actor.disk_mb))
         layers = list(doc["layers"])
         actor.stack = (
             node.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
@@ -1001,9 +1025,13 @@ class SandboxActor:
         prior_token: str,
         cpu_count: int,
         memory_mb: int,
+        disk_mb: int | None = None,
     ) -> SandboxActor:
         """A sandbox that starts from a stored snapshot (its image, or a fresh boot)."""
         actor = cls(node, sandbox_id, template, req)
+        if disk_mb is not None and actor.disk_mb > 0:
+            # at least what the snapshot's sandbox had: its files must fit
+            actor.disk_mb = max(actor.disk_mb, disk_mb)
         actor.stack = stack
         actor._resume_image = image
         actor._prior_token = prior_token if image is not None else None
@@ -1031,6 +1059,7 @@ class SandboxActor:
             memory_mb=parent.memory_mb,
         )
         child = cls(parent.node, sandbox_id, parent.template, req)
+        child.disk_mb = parent.disk_mb
         child.stack = stack
         child._resume_image = image
         child._prior_token = parent.envd_access_token
@@ -1049,6 +1078,8 @@ class SandboxActor:
             "accessToken": self.envd_access_token,
             "defaultUser": self.template.default_user,
             "defaultWorkdir": self.template.default_workdir,
+            # aenv's own: RLIMIT_NPROC of the user's processes (aenv.envd.guard)
+            "processLimit": self.node.config.process_limit_for(self.memory_mb),
             # microseconds: envd ignores an /init not newer than the last (a pool
             # member is initialised twice within a second when adopted at once)
             "timestamp": datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z"),
@@ -1066,10 +1097,15 @@ class SandboxActor:
                 status = await running.wait()
                 if self.lifecycle.can(lc.Exited(status)):
                     self.lifecycle.step(lc.Exited(status))
+                    self.exit_cause = f"its runtime exited with status {status}" + (
+                        " (the host killed it: out of memory)" if running.host_oom_killed else ""
+                    )
+                    self.host_oom_killed = running.host_oom_killed
                     self._log(f"sandbox process exited with status {status}", level="warn")
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch_exit)
+            nursery.start_soon(follow_kills, self.workdir / "console.log", self._on_oom_kill)
             while self.lifecycle.state is lc.State.RUNNING:
                 deadline = self.lifecycle.deadline
                 assert deadline is not None
@@ -1080,6 +1116,10 @@ class SandboxActor:
                 if self.lifecycle.step(lc.Expire(trio.current_time())):
                     self._log("timeout reached")
             nursery.cancel_scope.cancel()
+
+    def _on_oom_kill(self, kill: OomKill) -> None:
+        self._log(kill.describe(), level="warn", event="oom-kill", pid=str(kill.pid))
+        self.node.m_oom_kills.inc()
 
     async def _handle(self, req: Request[Msg]) -> None:
         msg = req.msg
@@ -1145,7 +1185,7 @@ class SandboxActor:
                     copy: Path | None = None
                     if self._resume_image is not None:
                         copy = self.workdir / f"copy-{secrets.token_hex(4)}"
-                        await trio.to_thread.run_sync(_link_tree, self._resume_image, copy)
+                        await trio.to_thread.run_sync(link_files, self._resume_image, copy)
                     req.reply(PausedCopy(copy, self.stack, self.paused_record()))
                 case PoolFreeze():
                     if self.pooled and self._running is not None and not self._frozen:
@@ -1225,14 +1265,3 @@ class SandboxActor:
     def require_running(self) -> None:
         if self.lifecycle.state is not lc.State.RUNNING:
             raise SandboxNotRunning(self.sandbox_id, self.lifecycle.state)
-
-
-def _link_tree(src: Path, dest: Path) -> None:
-    """Hard-link every file of directory `src` into new directory `dest` (blocking)."""
-    dest.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            try:
-                os.link(f, dest / f.name)
-            except OSError:
-                shutil.copy2(f, dest / f.name)

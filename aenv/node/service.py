@@ -493,7 +493,10 @@ class LocalSandboxService:
         actor = self._actor(sandbox_id)
         usage: Usage = await _ask(actor, GetUsage())
         upper = actor.upper
-        disk = 0 if upper is None else await trio.to_thread.run_sync(_dir_size, upper)
+        total = actor.disk_mb << 20 or actor.template.disk_size_mb << 20
+        disk = 0
+        if upper is not None:
+            disk, total = await trio.to_thread.run_sync(_disk_use, upper, actor.disk_mb > 0, total)
         return SandboxMetrics(
             timestamp=time.time(),
             cpu_count=actor.cpu_count,
@@ -501,7 +504,7 @@ class LocalSandboxService:
             mem_used_bytes=usage.mem_used_bytes,
             mem_total_bytes=usage.mem_total_bytes,
             disk_used_bytes=disk,
-            disk_total_bytes=actor.template.disk_size_mb * 1024 * 1024,
+            disk_total_bytes=total,
         )
 
     async def logs(self, sandbox_id: str, *, console: bool = False) -> SandboxLogs:
@@ -554,7 +557,7 @@ class LocalSandboxService:
         except SandboxNotFound as e:
             raise NotFound(str(e)) from None
         if actor.state.value not in ADDRESSABLE:  # being created, or stopping (and why)
-            raise NotFound(str(SandboxNotFound(sandbox_id, self._node.lost.get(sandbox_id))))
+            raise NotFound(str(SandboxNotFound(sandbox_id, self._node.why_gone(sandbox_id))))
         return actor
 
 
@@ -588,7 +591,7 @@ def _info(a: SandboxActor) -> SandboxInfo:
         metadata=dict(a.metadata),
         cpu_count=a.cpu_count,
         memory_mb=a.memory_mb,
-        disk_size_mb=t.disk_size_mb,
+        disk_size_mb=a.disk_mb or t.disk_size_mb,  # its disk's size, as `df` in it shows
         started_at=a.started_at,
         end_at=a.end_at(),
         envd_version=ENVD_VERSION,
@@ -603,6 +606,16 @@ def _info(a: SandboxActor) -> SandboxInfo:
         pause_mode=a.pause_mode,
         node=a.node.config.effective_node_id,
     )
+
+
+def _disk_use(upper: Path, sized: bool, total: int) -> tuple[int, int]:
+    """(used, total) bytes of a sandbox's disk: its own file system's figures,
+    as `df` in the sandbox shows them, where it has one (`sized`)."""
+    if sized:
+        with contextlib.suppress(OSError):
+            st = os.statvfs(upper)
+            return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize
+    return _dir_size(upper), total
 
 
 def _dir_size(path: Path) -> int:

@@ -70,10 +70,20 @@ def is_template_own(doc: dict[str, Any]) -> bool:
     return any(str(n).startswith(TEMPLATE_PREFIX) for n in doc.get("names") or ())
 
 
+# Names of template builds' cached steps (`aenv.node.buildcache`): internal,
+# kept on this node only.
+BUILD_CACHE_PREFIX = "~build/"
+
+
+def is_build_cache(doc: dict[str, Any]) -> bool:
+    """Whether a snapshot record is a cached build step."""
+    return any(str(n).startswith(BUILD_CACHE_PREFIX) for n in doc.get("names") or ())
+
+
 def is_internal(doc: dict[str, Any]) -> bool:
     """Whether a snapshot record is the node's own (hidden from listings): a
-    template's, or a paused sandbox's durable copy."""
-    return is_template_own(doc) or is_paused_copy(doc)
+    template's, a paused sandbox's durable copy or a cached build step."""
+    return is_template_own(doc) or is_paused_copy(doc) or is_build_cache(doc)
 
 
 class CorruptSnapshot(Exception):

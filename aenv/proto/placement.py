@@ -101,6 +101,13 @@ class NodeLoad:
         return not self.draining and self.sandboxes < self.max_sandboxes and self.mem_free > 0
 
 
+def room_to_resume(available: int, total: int, low_pct: float, memory_mb: int) -> bool:
+    """Whether a host with `available` of `total` bytes of memory can resume a
+    sandbox of `memory_mb` and stay above its low mark (`low_pct` of total, the
+    mark below which paused sandboxes are hibernated to free memory)."""
+    return available - memory_mb * 2**20 >= total * low_pct / 100
+
+
 def score(n: NodeLoad, template: str | None, memory_mb: int = 512) -> float:
     mem = (n.mem_free - memory_mb * 2**20) / n.mem_total if n.mem_total else -1.0
     cpu = 1.0 - min(1.0, n.cpu_load / n.cpus)

@@ -4,7 +4,9 @@ The SDKs address sandbox traffic two ways: headers (`E2b-Sandbox-Id`,
 `E2b-Sandbox-Port`, used when `E2B_SANDBOX_URL` is set) and hosts
 (`{port}-{sandboxID}.{domain}`). `route()` looks at a request's headers and
 Host and returns a `Route` or None (a control-plane request). Malformed
-routing input raises `RoutingError`, which the proxy answers with 400.
+routing input raises `RoutingError`, which the proxy answers with 400; so
+does a Host no server could have (`check_host`), which every request passes
+through first.
 """
 
 from __future__ import annotations
@@ -22,8 +24,29 @@ _HOST_RE = re.compile(
 )
 
 
+# RFC 1035's bounds on a name (a port may follow the host)
+MAX_HOST = 253 + len(":65535")
+MAX_LABEL = 63
+
+
 class RoutingError(ValueError):
     pass
+
+
+def check_host(host: str) -> None:
+    """Refuse a Host header no server could have (RoutingError): longer than
+    a DNS name, a label longer than 63 or empty, or not ASCII-encodable."""
+    if len(host) > MAX_HOST:
+        raise RoutingError(f"Host header longer than {MAX_HOST} characters")
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if name.startswith("["):  # an IPv6 literal
+        return
+    try:
+        name.encode("idna")
+    except UnicodeError:
+        raise RoutingError("malformed Host header") from None
+    if any(len(label) > MAX_LABEL for label in name.split(".")):
+        raise RoutingError(f"Host header label longer than {MAX_LABEL} characters")
 
 
 @dataclass(frozen=True)
@@ -49,6 +72,7 @@ def _sandbox(value: str) -> str:
 
 def route(headers: Mapping[str, str], domain: str | None) -> Route | None:
     """`headers` keys must be lowercase (ASGI/h11 style)."""
+    check_host(headers.get("host", ""))
     sid = headers.get("e2b-sandbox-id")
     port = headers.get("e2b-sandbox-port")
     if sid is not None or port is not None:

@@ -75,6 +75,11 @@ class RunningSandbox(Protocol):
         """Return the sandbox's exit status once it has stopped by itself."""
         ...
 
+    @property
+    def host_oom_killed(self) -> bool:
+        """Whether the host killed the sandbox for memory (known once `wait` returned)."""
+        ...
+
     async def usage(self) -> Usage:
         """CPU and memory in use now (for `/sandboxes/{id}/metrics`)."""
         ...

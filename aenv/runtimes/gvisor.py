@@ -58,7 +58,10 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Where the guest sees SandboxSpec.bundle; equals aenv.storage.bundle.BUNDLE_MOUNT
 # (runtimes may not import storage; a test keeps the two in step).
 BUNDLE_MOUNT = "/opt/aenv"
+# Keeps the guest's /tmp non-empty, so on its root file system (`_prepare_root`).
+TMP_MARKER = ".aenv-tmp-on-disk"
 _CPU_PERIOD_US = 100_000
+_CPU_SHARES = 1024  # per vCPU
 # Deadlines of the stop ladder (seconds).
 _KILL_TIMEOUT = 5.0
 _EXIT_TIMEOUT = 5.0
@@ -113,6 +116,11 @@ class GVisorSandbox:
     _exit_status: int | None = None
     # stopped by `runsc pause` (the freezer where there is no cgroup v2 one)
     _runsc_paused: bool = False
+    _oom_killed: bool = False
+
+    @property
+    def host_oom_killed(self) -> bool:
+        return self._oom_killed
 
     @property
     def sandbox_id(self) -> str:
@@ -129,6 +137,8 @@ class GVisorSandbox:
         if self._exit_status is None:
             status = await _wait_pid_exit(self.sandbox_pid)
             self._exit_status = -1 if status is None else _decode_wait_status(status)
+            # (read before teardown removes the cgroup)
+            self._oom_killed = await trio.to_thread.run_sync(self._cgroups.oom_kills) > 0
         return self._exit_status
 
     async def usage(self) -> Usage:
@@ -235,8 +245,16 @@ class GVisorRuntime:
         cgroup_parent: str = "aenv",
         net_disconnect_ok: bool | None = None,
         compression: str = "none",
+        memory_headroom_mb: int = 256,
+        io_weight: int = 100,
     ) -> None:
         self.runsc = runsc
+        # The host's memory limit of a sandbox is its size plus this margin
+        # (at least an eighth of the size): the sentry's own memory, and room
+        # for envd's OOM killer to act before the host's kills the sandbox.
+        self.memory_headroom_mb = memory_headroom_mb
+        # blkio/io weight of every sandbox (where the host's I/O scheduler has one)
+        self.io_weight = io_weight
         # of memory images: "none" checkpoints and restores 2-3x faster here
         # than runsc's default "flate-best-speed", for images about 4x larger
         self.compression = compression
@@ -287,6 +305,7 @@ class GVisorRuntime:
                 sandbox = await trio.to_thread.run_sync(self._running, spec, cgroups)
             else:
                 sandbox = await self._start(spec, cgroups, image_dir)
+            await trio.to_thread.run_sync(self._set_host_limits, spec, cgroups)
             yield sandbox
         finally:
             with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
@@ -323,6 +342,21 @@ class GVisorRuntime:
             )
         pid = int(pid_file.read_text().strip())
         return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self)
+
+    def host_memory_bytes(self, memory_mb: int) -> int:
+        """The host's memory limit of a sandbox of `memory_mb`: its size plus the headroom."""
+        return (memory_mb + max(self.memory_headroom_mb, memory_mb // 8)) * 1024 * 1024
+
+    def _set_host_limits(self, spec: SandboxSpec, cgroups: _Cgroups) -> None:
+        """Raise the host's memory limit above the sandbox's size (blocking).
+
+        runsc tells the guest its memory from the cgroup's limit when the
+        sandbox starts (the spec's: its size); raised afterwards, the guest
+        keeps seeing its size while the host kills only past the headroom.
+        The I/O weight is set where the host has one (best effort).
+        """
+        cgroups.set_memory_limit(self.host_memory_bytes(spec.memory_mb))
+        cgroups.set_io_weight(self.io_weight)
 
     def _running(self, spec: SandboxSpec, cgroups: _Cgroups) -> GVisorSandbox:
         """The sandbox runsc runs as `spec.sandbox_id`, if it is alive (blocking)."""
@@ -387,11 +421,7 @@ class GVisorRuntime:
     def _write_bundle(self, spec: SandboxSpec) -> None:
         self.state_root.mkdir(parents=True, exist_ok=True)
         spec.workdir.mkdir(parents=True, exist_ok=True)
-        for mountpoint in ("opt/aenv", "proc", "dev", "sys"):
-            (spec.rootfs / mountpoint).mkdir(parents=True, exist_ok=True)
-        tmp = spec.rootfs / "tmp"
-        tmp.mkdir(exist_ok=True)
-        os.chmod(tmp, 0o1777)
+        _prepare_root(spec.rootfs)
         config = oci_config(spec, cgroups_path=f"/{self.cgroup_parent}/{spec.sandbox_id}")
         target = spec.workdir / "config.json"
         target.write_text(json.dumps(config, indent=1))
@@ -566,6 +596,8 @@ def oci_config(spec: SandboxSpec, *, cgroups_path: str) -> dict[str, Any]:
                 "cpu": {
                     "quota": max(spec.cpu_count, 1) * _CPU_PERIOD_US,
                     "period": _CPU_PERIOD_US,
+                    # busy sandboxes share the host's CPUs by their size
+                    "shares": _CPU_SHARES * max(spec.cpu_count, 1),
                 },
                 "memory": {"limit": memory},
             },
@@ -655,6 +687,40 @@ class _Cgroups:
             for dirpath, _dirs, _files in sorted(os.walk(d), key=lambda t: len(t[0]), reverse=True):
                 with contextlib.suppress(FileNotFoundError):
                     _rmdir_retry(Path(dirpath))
+
+    def set_memory_limit(self, limit: int) -> None:
+        """Set the memory limit (memory.max, or memory.limit_in_bytes on v1)."""
+        if self.is_v2():
+            (CGROUP_ROOT / self.path / "memory.max").write_text(str(limit))
+        else:
+            (CGROUP_ROOT / "memory" / self.path / "memory.limit_in_bytes").write_text(str(limit))
+
+    def oom_kills(self) -> int:
+        """How many processes the host's OOM killer killed in this cgroup."""
+        if self.is_v2():
+            path, key = CGROUP_ROOT / self.path / "memory.events", "oom_kill"
+        else:
+            path, key = CGROUP_ROOT / "memory" / self.path / "memory.oom_control", "oom_kill"
+        with contextlib.suppress(OSError, ValueError):
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+        return 0
+
+    def set_io_weight(self, weight: int) -> bool:
+        """Set the I/O weight (1..1000 on v1's scale) where the host has one; False if not."""
+        if self.is_v2():
+            d = CGROUP_ROOT / self.path
+            files = [(d / "io.bfq.weight", weight), (d / "io.weight", f"default {weight}")]
+        else:
+            d = CGROUP_ROOT / "blkio" / self.path
+            files = [(d / "blkio.bfq.weight", weight), (d / "blkio.weight", weight)]
+        for path, value in files:
+            with contextlib.suppress(OSError):
+                path.write_text(str(value))
+                return True
+        return False
 
     def memory_usage_bytes(self) -> int:
         if self.is_v2():
@@ -772,6 +838,54 @@ def _in_private_netfs(cmd: Sequence[str]) -> list[str]:
     """
     script = "mount -t tmpfs -o size=4k aenv-netfs /proc/sys/net && exec " + shlex.join(cmd)
     return ["unshare", "--mount", "--propagation", "slave", "sh", "-c", script]
+
+
+def _prepare_root(rootfs: Path) -> None:
+    """Make the guest's mount points and its /tmp in `rootfs` (blocking).
+
+    The root holds what the sandbox wrote (a restore's, a resume's), so
+    nothing here follows a symbolic link out of it: a component that is one
+    (or not a directory) is left as it is. /tmp gets a marker file, because
+    runsc mounts a tmpfs, memory the sandbox's disk size does not bound, over
+    an empty /tmp at boot; a non-empty one stays on the root file system.
+    """
+    for mountpoint in ("opt/aenv", "proc", "dev", "sys"):
+        fd = _guest_dir(rootfs, mountpoint)
+        if fd is not None:
+            os.close(fd)
+    tmp = _guest_dir(rootfs, "tmp")
+    if tmp is None:
+        return
+    try:
+        os.fchmod(tmp, 0o1777)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        with contextlib.suppress(OSError):
+            os.close(os.open(TMP_MARKER, flags, 0o444, dir_fd=tmp))
+    finally:
+        os.close(tmp)
+
+
+def _guest_dir(rootfs: Path, path: str) -> int | None:
+    """An fd of directory `path` of `rootfs`, made if missing; None if a
+    component is a symbolic link or not a directory."""
+    fd = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in path.split("/"):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+            try:
+                child = os.open(
+                    name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                )
+            except OSError:
+                return None
+            os.close(fd)
+            fd = child
+        fd, out = -1, fd
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _remove_bundle(workdir: Path) -> None:

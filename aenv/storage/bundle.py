@@ -105,6 +105,8 @@ def envd_command(port: int = 49983) -> tuple[tuple[str, ...], dict[str, str]]:
         "0.0.0.0",
         "--port",
         str(port),
+        # pid 1 of a sandbox: guard its memory and processes (aenv.envd.guard)
+        "--guard",
     )
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

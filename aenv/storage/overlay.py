@@ -13,6 +13,11 @@ umount(8) run in worker threads. To keep the upper (pause, snapshot, fork),
 `unmount_root` unmounts the overlay inside the block and hands back the
 upper directory for `aenv.storage.layers.LayerStore.freeze` to move away.
 `OverlayRoots` is the same four as one object, the node's `WritableRoots`.
+
+With a disk size, the upper and work directories live on a disk of that size
+of their own (`aenv.storage.disks`: a sparse ext4 file loop-mounted over the
+scratch directory, its file beside it), which is what bounds a sandbox's
+writes; the disk goes when the block is left, after the overlay.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import trio
+
+from aenv.storage.disks import DiskError, disk_mounts, make_disk, remove_disk
 
 __all__ = [
     "MAX_MOUNT_OPTIONS",
@@ -49,18 +56,28 @@ class OverlayError(RuntimeError):
 
 
 @asynccontextmanager
-async def open_writable_root(lowers: Sequence[Path], workdir: Path) -> AsyncIterator[Path]:
+async def open_writable_root(
+    lowers: Sequence[Path], workdir: Path, *, disk_bytes: int = 0, carried_bytes: int = 0
+) -> AsyncIterator[Path]:
     """Mount `lowers` (topmost first) under a fresh upper at `workdir/merged`.
 
     `workdir` must not exist yet or be empty; it receives `upper/`, `work/`
     and `merged/`, and is removed entirely when the block is left, so the
     caller keeps nothing of the upper unless it moved it away first (after
-    unmounting) -- snapshotting is a separate step.
+    unmounting) -- snapshotting is a separate step. With `disk_bytes`, they
+    are on a disk of that size mounted at `workdir`, `carried_bytes` of it
+    counted as used already (what `lowers` hold of the sandbox's own writes).
     """
     if not lowers:
         raise OverlayError("an overlay needs at least one lower layer")
-    await trio.to_thread.run_sync(_prepare, workdir)
+    await trio.to_thread.run_sync(_check_empty, workdir)
     async with _owned(workdir):
+        if disk_bytes > 0:
+            try:
+                await trio.to_thread.run_sync(make_disk, workdir, disk_bytes, carried_bytes)
+            except DiskError as exc:
+                raise OverlayError(f"the disk of {workdir}: {exc}") from None
+        await trio.to_thread.run_sync(_prepare, workdir)
         await trio.to_thread.run_sync(_mount, [Path(p) for p in lowers], workdir)
         yield workdir / "merged"
 
@@ -118,8 +135,8 @@ def _unmount_strict(mountpoint: Path, retry_s: float = 2.0) -> None:
 
 
 def reap_stale_mounts(root: Path, keep: Collection[Path] = ()) -> list[Path]:
-    """Unmount every overlay mounted at or below `root` but those in `keep`
-    (blocking; run it in a thread); returns what it unmounted.
+    """Unmount every overlay mounted at or below `root` but those in `keep`,
+    and their disks (blocking; run it in a thread); returns what it unmounted.
 
     For a node restarting: those mounts belong to sandboxes that no longer
     exist (the ones in `keep` are being taken over). Deepest mounts go first;
@@ -128,16 +145,25 @@ def reap_stale_mounts(root: Path, keep: Collection[Path] = ()) -> list[Path]:
     root = Path(os.path.abspath(root))
     kept = {Path(os.path.abspath(p)) for p in keep}
     stale = [mp for mp in _overlay_mounts_under(root) if mp not in kept]
-    for mountpoint in sorted(stale, key=lambda p: len(p.parts), reverse=True):
-        _unmount(mountpoint)
-    return stale
+    # a kept root's disk (mounted over its scratch directory) is kept with it
+    disks = [d for d in disk_mounts() if d.is_relative_to(root) and d / "merged" not in kept]
+    for mountpoint in sorted(stale + disks, key=lambda p: len(p.parts), reverse=True):
+        if mountpoint in disks:
+            remove_disk(mountpoint)
+        else:
+            _unmount(mountpoint)
+    return stale + disks
 
 
 class OverlayRoots:
     """Sandbox roots as overlay mounts (`aenv.node.host.WritableRoots`)."""
 
-    def open_root(self, lowers: Sequence[Path], workdir: Path) -> AbstractAsyncContextManager[Path]:
-        return open_writable_root(lowers, workdir)
+    def open_root(
+        self, lowers: Sequence[Path], workdir: Path, *, disk_bytes: int = 0, carried_bytes: int = 0
+    ) -> AbstractAsyncContextManager[Path]:
+        return open_writable_root(
+            lowers, workdir, disk_bytes=disk_bytes, carried_bytes=carried_bytes
+        )
 
     def adopt_root(self, workdir: Path) -> AbstractAsyncContextManager[Path]:
         return adopt_writable_root(workdir)
@@ -149,10 +175,13 @@ class OverlayRoots:
         return await trio.to_thread.run_sync(reap_stale_mounts, root, keep)
 
 
-def _prepare(workdir: Path) -> None:
+def _check_empty(workdir: Path) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     if any(workdir.iterdir()):
         raise OverlayError(f"{workdir} is not empty")
+
+
+def _prepare(workdir: Path) -> None:
     for name in ("upper", "work", "merged"):
         (workdir / name).mkdir()
     # The upper's root becomes the guest's "/": keep it world-traversable.
@@ -219,6 +248,9 @@ def _remove(workdir: Path) -> None:
         _unmount(merged)
         if _is_mountpoint(merged):
             raise OverlayError(f"{merged} is still mounted; not removing {workdir}")
+    remove_disk(workdir)  # detached at worst: its blocks are freed after its last user
+    if _is_mountpoint(workdir):
+        raise OverlayError(f"the disk at {workdir} is still mounted; not removing it")
     shutil.rmtree(workdir, ignore_errors=True)
 
 

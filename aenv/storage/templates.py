@@ -17,6 +17,7 @@ methods do blocking filesystem work: call them from a worker thread
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import json
@@ -100,6 +101,9 @@ class Template:
     # and memory) their sandboxes are restored from; env, workdir and user
     # are then the build's, for image and directory bases alike.
     snapshot_id: str | None = None
+    # The disk size of its sandboxes in MiB, where the template sets one
+    # (a build's `diskSizeMB`); None: the node's (`AENV_SANDBOX_DISK_MB`).
+    sandbox_disk_mb: int | None = None
 
     @property
     def default_user(self) -> str:
@@ -163,6 +167,7 @@ class Template:
             "cpuCount": self.cpu_count,
             "memoryMB": self.memory_mb,
             "diskSizeMB": self.disk_size_mb,
+            "sandboxDiskMB": self.sandbox_disk_mb,
             "createdAt": self.created_at,
             "updatedAt": self.updated_at,
             "public": self.public,
@@ -276,6 +281,11 @@ def _parse(
     numbers = {k: _field(data, k, int) for k in ("cpuCount", "memoryMB", "diskSizeMB")}
     if numbers["cpuCount"] < 1 or numbers["memoryMB"] < 1 or numbers["diskSizeMB"] < 0:
         raise _Corrupt("resources out of range")
+    sandbox_disk = data.get("sandboxDiskMB")
+    if sandbox_disk is not None and (
+        not isinstance(sandbox_disk, int) or isinstance(sandbox_disk, bool) or sandbox_disk < 0
+    ):
+        raise _Corrupt("sandboxDiskMB is not a size")
     image = _parse_image(data)
     built = _parse_build(data)
     rootfs_of = built.pop("rootfs_of", None)
@@ -302,6 +312,7 @@ def _parse(
         public=_field(data, "public", bool),
         start_cmd=_optional_str(data, "startCmd"),
         ready_cmd=_optional_str(data, "readyCmd"),
+        sandbox_disk_mb=sandbox_disk or None,
         **{**image, **built},  # type: ignore[arg-type]
     )
 
@@ -544,6 +555,7 @@ class TemplateStore:
         memory_mb: int = 512,
         start_cmd: str | None = None,
         ready_cmd: str | None = None,
+        sandbox_disk_mb: int | None = None,
     ) -> tuple[Template, str | None]:
         """Record a finished build of `template_id`: a new template, or a new build of one.
 
@@ -581,6 +593,7 @@ class TemplateStore:
                 workdir=workdir or None,
                 user=user or None,
                 snapshot_id=snapshot_id,
+                sandbox_disk_mb=sandbox_disk_mb,
             )
             if old is not None:
                 _write_json_atomic(self.root / template_id / METADATA_FILE, template.to_json())
@@ -670,6 +683,17 @@ class TemplateStore:
         """Record the digest of the template's root filesystem index (its content)."""
         with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
             write_atomic(self.root / check_name(template_id) / ROOTFS_INDEX_FILE, digest.encode())
+
+    def set_public(self, name_or_id: str, public: bool) -> Template:
+        """Make a template public or team-only (`PATCH /templates/{id}`)."""
+        with self._locked():
+            template = self.resolve(name_or_id)
+            if template.public != public:
+                template = dataclasses.replace(template, public=public, updated_at=time.time())
+                _write_json_atomic(
+                    self.root / template.template_id / METADATA_FILE, template.to_json()
+                )
+        return template
 
     def delete(self, name_or_id: str) -> None:
         """Remove a template (by ID or alias) and its root filesystem."""

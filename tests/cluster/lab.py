@@ -63,7 +63,7 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 import httpx
 import pytest
@@ -814,6 +814,20 @@ class Lab:
     def reachable(self, src: int, dst: int, *, timeout: float = 2.0) -> bool:
         """Whether node `dst`'s API answers /health to node `src`."""
         return self.probe(src, f"{self.nodes[dst].url}/health", timeout=timeout) == 200
+
+    def claim(self, sid: str) -> dict[str, Any] | None:
+        """Sandbox `sid`'s ownership claim as stored (None: no claim, or no S3 store),
+        read behind the nodes' backs."""
+        if self.s3 is None:
+            return None
+        try:
+            got = self.s3.boto().get_object(
+                Bucket="aenv-lab", Key=f"cluster/cluster/sandboxes/{sid}"
+            )
+        except Exception:
+            return None
+        doc: dict[str, Any] = json.loads(got["Body"].read())
+        return doc
 
     def leaks(self) -> list[str]:
         """What the nodes left behind that a stopped node must not: runsc processes

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,7 +31,6 @@ from tests.cluster.lab import Lab, LabNode, requires_lab
 pytestmark = [
     requires_lab,
     pytest.mark.runsc,
-    pytest.mark.slow,
     pytest.mark.lab(nodes=3, store="s3", env={"AENV_HIBERNATE_AFTER": "1", "AENV_POOL_SIZE": "0"}),
 ]
 
@@ -42,17 +42,6 @@ COUNTER = (
 # the default lease ttl: nothing moves sooner after its node's last renewal, which
 # came at most a third of it (the renewal interval) before the node was cut off
 FENCE_WINDOW_S = 10.0
-
-
-def claim(lab: Lab, sid: str) -> dict[str, Any] | None:
-    """The sandbox's claim as stored (None: no claim)."""
-    assert lab.s3 is not None
-    try:
-        body = lab.s3.boto().get_object(Bucket="aenv-lab", Key=f"cluster/cluster/sandboxes/{sid}")
-    except Exception:
-        return None
-    doc: dict[str, Any] = json.loads(body["Body"].read())
-    return doc
 
 
 def wait_for(what: str, check: Callable[[], Any], within: float = 90.0) -> Any:
@@ -68,7 +57,7 @@ def wait_for(what: str, check: Callable[[], Any], within: float = 90.0) -> Any:
 def wait_claim(lab: Lab, sid: str, state: str, within: float = 90.0) -> dict[str, Any]:
     return wait_for(  # type: ignore[no-any-return]
         f"the claim of {sid} to say {state}",
-        lambda: (c := claim(lab, sid)) is not None and c["state"] == state and c,
+        lambda: (c := lab.claim(sid)) is not None and c["state"] == state and c,
         within,
     )
 
@@ -148,7 +137,7 @@ def test_kill_9_the_owner_of_a_paused_sandbox_and_resume_it_elsewhere(lab: Lab) 
         t0 = time.monotonic()
         again = Sandbox.connect(sid, timeout=600, **lab.node(1).sdk())
         took = time.monotonic() - t0
-        moved = claim(lab, sid)
+        moved = lab.claim(sid)
         assert moved is not None and moved["node"] in ("node1", "node2")
         assert moved["epoch"] == first["epoch"] + 1
         assert owner(lab.node(1), sid) == moved["node"]
@@ -188,7 +177,7 @@ def test_a_dead_nodes_paused_sandboxes_are_listed_and_resumable(lab: Lab) -> Non
         got = wait_for("both listed paused", lambda: len(listed()) == 2 and listed(), 120)
         assert set(got.values()) == {"paused"}, got
         for sid in sids:
-            c = claim(lab, sid)
+            c = lab.claim(sid)
             assert (
                 c is not None
                 and c["node"] in ("node0", "node1")
@@ -199,6 +188,31 @@ def test_a_dead_nodes_paused_sandboxes_are_listed_and_resumable(lab: Lab) -> Non
             pid, count = counting(again)
             assert pid == pids[sid]
             assert wait_for("counting on", lambda a=again, c=count: counting(a)[1] > c + 3, 30)
+
+
+def test_a_paused_sandbox_resumes_on_another_node_when_its_own_has_no_room(lab: Lab) -> None:
+    (sbx,) = on(lab, 0)
+    sid = sbx.sandbox_id
+    with killing(lab, [sid]):
+        pid, _ = start_counter(sbx)
+        sbx.pause()
+        wait_claim(lab, sid, "paused-durable")
+        # node0 keeps 99 % of the host's memory free: no room to resume anything there
+        lab.node(0).env["AENV_HIBERNATE_MEMORY_LOW"] = "99"
+        try:
+            lab.restart_node(0, sig=signal.SIGTERM)
+            wait_for("node0 back", lambda: members(lab.node(1)).get("node0") == "alive", 60)
+            again = Sandbox.connect(sid, timeout=600, **lab.node(1).sdk())
+            moved = lab.claim(sid)
+            assert moved is not None and moved["node"] in ("node1", "node2"), moved
+            assert moved["state"] == "running"
+            assert owner(lab.node(0), sid) == moved["node"]
+            again_pid, count = counting(again)
+            assert again_pid == pid
+            assert wait_for("counting on", lambda: counting(again)[1] > count + 3, 30)
+        finally:
+            del lab.node(0).env["AENV_HIBERNATE_MEMORY_LOW"]
+            lab.restart_node(0, sig=signal.SIGTERM)
 
 
 def test_drain_moves_running_sandboxes_with_their_processes(lab: Lab) -> None:
@@ -223,7 +237,7 @@ def test_drain_moves_running_sandboxes_with_their_processes(lab: Lab) -> None:
         assert (report["moved"], report["failed"]) == (2, {}), report
         assert {m["sandboxID"] for m in report["sandboxes"]} == set(sids)
         for sid in sids:
-            c = claim(lab, sid)
+            c = lab.claim(sid)
             assert c is not None and c["node"] in ("node0", "node2") and c["state"] == "running"
         wait_for("node1 left", lambda: members(lab.node(0)).get("node1") == "left", 30)
         # the SDK reconnects (through any node, even the drained one) and carries on
@@ -258,19 +272,19 @@ def test_a_partitioned_owner_keeps_its_sandboxes_until_fenced(lab: Lab) -> None:
             assert r.status_code == 503 and "alive" in r.json()["message"], r.text
             r = api.post(f"/sandboxes/{running.sandbox_id}/connect", json={"timeout": 300})
             assert r.status_code == 503, r.text
-        assert claim(lab, parked.sandbox_id)["node"] == "node2"  # type: ignore[index]
+        assert lab.claim(parked.sandbox_id)["node"] == "node2"  # type: ignore[index]
         # ... and from the store: its lease lapses; only then may others fence it
         lab.cut_store(2)
         cut = time.monotonic()
         moved = wait_for(
             "the paused sandbox adopted",
-            lambda: (c := claim(lab, parked.sandbox_id)) and c["node"] != "node2" and c,
+            lambda: (c := lab.claim(parked.sandbox_id)) and c["node"] != "node2" and c,
             120,
         )
         assert time.monotonic() - cut >= FENCE_WINDOW_S * 2 / 3
         assert moved["state"] == "paused-durable"
         # the running one never moves: its memory is only on node2
-        assert claim(lab, running.sandbox_id)["node"] == "node2"  # type: ignore[index]
+        assert lab.claim(running.sandbox_id)["node"] == "node2"  # type: ignore[index]
         lab.restore_store(2)
         lab.heal()
         # node2 learns it was fenced, drops its copy of the moved one, takes the running back

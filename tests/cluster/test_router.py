@@ -41,6 +41,7 @@ NOBODY_SID = "dddddddddddddddd0000"
 PARKED_SID = "eeeeeeeeeeeeeeeedead"  # paused on the dead node, its copy in the store
 MOVED_SID = "ffffffffffffffffhere"  # made here, moved to "there" (a drain)
 STALE_SID = "gggggggggggggggghere"  # a copy here that is not this node's; the store is down
+CRAMPED_SID = "hhhhhhhhhhhhhhhhhere"  # paused here, where there is no memory to resume it
 
 
 def _echo_app(name: str, *, refuse_creates: bool = False) -> Any:
@@ -116,7 +117,7 @@ class View:
         self.adopted: set[str] = set()
 
     def runs_here(self, sandbox_id: str) -> bool:
-        return sandbox_id == HERE_SID or sandbox_id in self.adopted
+        return sandbox_id in (HERE_SID, CRAMPED_SID) or sandbox_id in self.adopted
 
     async def adopt(self, sandbox_id: str) -> str | None:
         if sandbox_id != PARKED_SID:
@@ -128,6 +129,12 @@ class View:
         if sandbox_id == STALE_SID:
             return Peer("here", "", "unknown")
         return self.there if sandbox_id == MOVED_SID else None
+
+    async def arrived(self, sandbox_id: str) -> None:
+        pass
+
+    async def make_room(self, sandbox_id: str) -> Peer | None:
+        return self.there if sandbox_id == CRAMPED_SID else None
 
     def not_serving(self) -> str | None:
         return None
@@ -260,6 +267,27 @@ async def test_a_hop_for_a_moved_sandbox_goes_on_to_its_new_node(
     here, http = nodes
     r = await http.get(f"{here}/sandboxes/{MOVED_SID}", headers={HOP_HEADER: "x"})
     assert r.json()["node"] == "there" and r.json()["headers"][HOP_HEADER] == "here"
+
+
+async def test_a_resume_with_no_room_here_goes_to_the_node_given_the_sandbox(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, http = nodes
+    # other calls about it are served here; a connect or resume goes on, whole
+    assert (await http.get(f"{here}/sandboxes/{CRAMPED_SID}")).json()["node"] == "here"
+    for verb in ("connect", "resume"):
+        r = await http.post(f"{here}/sandboxes/{CRAMPED_SID}/{verb}", json={"timeout": 30})
+        doc = r.json()
+        assert (doc["node"], doc["path"]) == ("there", f"/sandboxes/{CRAMPED_SID}/{verb}")
+        assert json.loads(doc["body"]) == {"timeout": 30}
+    # ... also when another node sent it here
+    r = await http.post(
+        f"{here}/sandboxes/{CRAMPED_SID}/connect", json={"timeout": 30}, headers={HOP_HEADER: "x"}
+    )
+    assert r.json()["node"] == "there"
+    # a sandbox with room here resumes here
+    r = await http.post(f"{here}/sandboxes/{HERE_SID}/connect", json={"timeout": 30})
+    assert r.json()["node"] == "here"
 
 
 async def test_a_copy_here_whose_holder_cannot_be_read_is_not_served(

@@ -146,6 +146,8 @@ class FakeRoots:
     def __init__(self) -> None:
         # "mounted" roots: workdir -> the lowers it stands on (topmost first)
         self.mounted: dict[Path, tuple[Path, ...]] = {}
+        # the disk each root was opened with: workdir -> (disk_bytes, carried_bytes)
+        self.disks: dict[Path, tuple[int, int]] = {}
         self.generation = 0
 
     def crash(self) -> None:
@@ -163,9 +165,12 @@ class FakeRoots:
     # -- WritableRoots -----------------------------------------------------------
 
     @asynccontextmanager
-    async def open_root(self, lowers: Sequence[Path], workdir: Path) -> AsyncIterator[Path]:
+    async def open_root(
+        self, lowers: Sequence[Path], workdir: Path, *, disk_bytes: int = 0, carried_bytes: int = 0
+    ) -> AsyncIterator[Path]:
         await trio.lowlevel.checkpoint()
         _prepare(lowers, workdir)
+        self.disks[workdir] = (disk_bytes, carried_bytes)
         self.mounted[workdir] = tuple(Path(p) for p in lowers)
         async with self._owned(workdir):
             yield workdir / "upper"

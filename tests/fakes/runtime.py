@@ -142,6 +142,10 @@ class FakeSandbox:
 
     # -- RunningSandbox -----------------------------------------------------------
 
+    @property
+    def host_oom_killed(self) -> bool:
+        return False
+
     async def wait(self) -> int:
         await self._exited.wait()
         assert self.exit_status is not None

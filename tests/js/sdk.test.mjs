@@ -31,3 +31,42 @@ test('create, run, files, list, kill', async () => {
   }
   assert.equal(await Sandbox.kill(sbx.sandboxId), false)
 })
+
+test('template build: COPY of a local dir, cache, tags', async () => {
+  const { Template } = await import('e2b')
+  const fs = await import('node:fs')
+  const os = await import('node:os')
+  const path = await import('node:path')
+  const ctx = fs.mkdtempSync(path.join(os.tmpdir(), 'aenv-js-build-'))
+  fs.mkdirSync(path.join(ctx, 'app'))
+  fs.writeFileSync(path.join(ctx, 'app', 'hello.txt'), 'hello from js')
+  const name = `js-built-${process.pid}`
+  const t = () =>
+    Template({ fileContextPath: ctx })
+      .fromTemplate('base')
+      .copy('app', '/opt/app')
+      .runCmd('cat /opt/app/hello.txt > /opt/copied.txt', { user: 'root' })
+  const first = await Template.build(t(), `${name}:v1`)
+  assert.deepEqual(first.tags, ['v1'])
+  const logs = []
+  const second = await Template.build(t(), `${name}:v1`, {
+    onBuildLogs: (e) => logs.push(e.message),
+  })
+  assert.equal(logs.filter((m) => m.includes(' CACHED')).length, 3, logs.join('\n'))
+  const sbx = await Sandbox.create(`${name}:v1`, { timeoutMs: 60_000 })
+  try {
+    assert.equal(await sbx.files.read('/opt/copied.txt'), 'hello from js')
+  } finally {
+    await sbx.kill()
+  }
+  const info = await Template.assignTags(`${name}:v1`, 'stable')
+  assert.equal(info.buildId, second.buildId) // v1 moved to the newest build
+  const tags = (await Template.getTags(name)).map((x) => x.tag).sort()
+  assert.deepEqual(tags, ['stable', 'v1'])
+  await Template.removeTags(name, 'stable')
+  const res = await fetch(`${process.env.E2B_API_URL}/templates/${first.templateId}`, {
+    method: 'DELETE',
+    headers: { 'X-API-Key': process.env.E2B_API_KEY },
+  })
+  assert.equal(res.status, 204)
+})

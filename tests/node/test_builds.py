@@ -105,6 +105,7 @@ def test_built_templates_persist_and_rebuild_in_place(tmp_path: Path) -> None:
         cpu_count=1,
         memory_mb=256,
         start_cmd="sleep 9",
+        sandbox_disk_mb=2048,
     )
     assert replaced is None
     from_dir, _ = store.put_built(
@@ -117,6 +118,8 @@ def test_built_templates_persist_and_rebuild_in_place(tmp_path: Path) -> None:
     assert t1.env_map == {"PATH": "/bin", "X": "built"} and (t1.workdir, t1.user) == ("/srv", "app")
     t2 = again.resolve("other")
     assert t2 == from_dir and t2.rootfs == plain.rootfs and t2.image_key is None
+    # a build's diskSizeMB is its sandboxes' disk size; without one, the node's
+    assert (t1.sandbox_disk_mb, t2.sandbox_disk_mb) == (2048, None)
 
     rebuilt, replaced = again.put_built(
         template_id="t1", build_id="b2", aliases=["mine"], base=image, snapshot_id="snap-3"

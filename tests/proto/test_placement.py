@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from aenv.proto.placement import PENDING_S, NodeLoad, Pending, rank, share_host
+from aenv.proto.placement import PENDING_S, NodeLoad, Pending, rank, room_to_resume, share_host
 
 GiB = 2**30
 
@@ -147,3 +147,12 @@ def _burst(seed: int) -> collections.Counter[str]:
 def test_a_burst_from_one_node_spreads_evenly_over_one_machine(seed: int) -> None:
     placed = _burst(seed)
     assert all(8 <= placed[n] <= 12 for n in "abc"), placed  # the mean +/- 20 %
+
+
+def test_a_resume_needs_its_memory_above_the_low_mark() -> None:
+    gib = 2**30
+    # 16 GiB host, low mark 10 % (1.6 GiB): 2.2 GiB free takes 512 MiB, 2 GiB does not
+    assert room_to_resume(int(2.2 * gib), 16 * gib, 10.0, 512)
+    assert not room_to_resume(2 * gib, 16 * gib, 10.0, 512)
+    assert not room_to_resume(20 * gib, 16 * gib, 10.0, 32 * 1024)
+    assert room_to_resume(512 * 2**20, 16 * gib, 0.0, 512)  # no low mark: what is free

@@ -59,3 +59,17 @@ def test_routing_never_raises_anything_else(headers: dict[str, str]) -> None:
         return
     if r is not None:
         assert 1 <= r.port <= 65535
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["a" * 5000, "49983-" + "a" * 5000 + ".sbx.example.com", "a..b", "x." + "a" * 64, ".x"],
+)
+def test_hosts_no_server_could_have_are_refused(host: str) -> None:
+    with pytest.raises(RoutingError):
+        route({"host": host}, "sbx.example.com")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8000", "[::1]:8000", "localhost", "", "é.example"])
+def test_ordinary_hosts_pass(host: str) -> None:
+    assert route({"host": host}, "sbx.example.com") is None

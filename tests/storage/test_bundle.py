@@ -27,11 +27,11 @@ def test_envd_command_starts_envd_through_the_bundled_loader() -> None:
     assert argv[0] == f"{BUNDLE_MOUNT}/lib/{LOADER_NAME}"
     assert argv[1:3] == ("--library-path", f"{BUNDLE_MOUNT}/lib")
     assert argv[3] == f"{BUNDLE_MOUNT}/bin/python3"
-    assert argv[-6:] == ("-m", "aenv.envd", "--host", "0.0.0.0", "--port", "1234")
+    assert argv[-7:] == ("-m", "aenv.envd", "--host", "0.0.0.0", "--port", "1234", "--guard")
     assert env["PYTHONHOME"] == BUNDLE_MOUNT
     assert env["PYTHONDONTWRITEBYTECODE"] == "1"
     assert env["PYTHONNOUSERSITE"] == "1"
-    assert envd_command()[0][-1] == "49983"
+    assert envd_command()[0][-2] == "49983"
 
 
 def test_bundle_layout(bundle: Path) -> None:

@@ -1,0 +1,171 @@
+"""envd's guard of the sandbox's memory and process count, as a kernel would keep them.
+
+gVisor has no OOM killer of its own: a guest that allocates past the
+sandbox's size grows the sentry until the host's memory cgroup kills the
+whole sandbox. The node therefore sets the host limit a margin above the
+sandbox's size (the guest still sees its size as `MemTotal`), and envd,
+which is pid 1 inside, plays the kernel's part: `watch_memory` reads
+`/proc/meminfo` and, once the guest's memory is used up, kills the process
+with the largest resident set (never envd itself) with SIGKILL, as Linux's
+OOM killer would, then waits for that victim to go before it picks another.
+It looks more often the less memory is free, so an idle sandbox costs
+almost nothing. Each kill is written to envd's console as one line starting
+(`aenv.proto.oomevent`); the node reads those lines into
+the sandbox's logs and metrics.
+
+Processes: envd starts every user process with `RLIMIT_NPROC` at the
+sandbox's process limit (gVisor enforces it per user, threads included), so
+a fork bomb gets `EAGAIN` while envd, whose own limit stays unlimited,
+keeps starting commands.
+
+`victim`, `free_bytes` and `poll_interval` are the decisions, without IO.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from aenv.proto.oomevent import OomKill, format_kill
+
+# Processes (threads included) one user may run at once, unless /init says otherwise.
+DEFAULT_PROCESS_LIMIT = 1024
+# Kill when less than this share of the sandbox's memory is free ...
+RESERVE_PCT = 1.0
+# ... and look again after at most POLL_MAX_S, at least POLL_MIN_S, sooner the
+# less is free (assuming a process allocates at up to ALLOC_RATE bytes a second,
+# which is what a guest manages here).
+POLL_MIN_S = 0.02
+POLL_MAX_S = 0.5
+ALLOC_RATE = 1 << 30
+# A killed victim gets this long to release its memory before another is chosen.
+VICTIM_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    name: str
+    rss_bytes: int
+
+
+def free_bytes(meminfo: str) -> tuple[int, int]:
+    """(MemTotal, what is free of it) from /proc/meminfo's text, in bytes.
+
+    Free is MemTotal minus anonymous and shared memory and page cache,
+    which can go below zero (gVisor clamps its own MemFree at zero).
+    """
+    fields: dict[str, int] = {}
+    for line in meminfo.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[name] = int(parts[0]) * 1024
+    total = fields.get("MemTotal", 0)
+    if "AnonPages" in fields:
+        used = fields["AnonPages"] + fields.get("Cached", 0) + fields.get("Buffers", 0)
+        return total, total - used
+    return total, fields.get("MemAvailable", fields.get("MemFree", total))
+
+
+def poll_interval(free: int) -> float:
+    """How long until the next look, given `free` bytes."""
+    return min(POLL_MAX_S, max(POLL_MIN_S, free / ALLOC_RATE))
+
+
+def victim(procs: Iterable[Proc], spare: Iterable[int]) -> Proc | None:
+    """The process to kill: the largest resident set, never one of `spare`."""
+    keep = set(spare)
+    candidates = [p for p in procs if p.pid not in keep and p.rss_bytes > 0]
+    return max(candidates, key=lambda p: (p.rss_bytes, p.pid), default=None)
+
+
+def read_procs(proc: Path = Path("/proc")) -> list[Proc]:
+    """Every process's name and resident set (blocking; /proc reads do not wait)."""
+    found: list[Proc] = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        name, rss = "?", 0
+        for line in status.splitlines():
+            key, _, value = line.partition(":")
+            if key == "Name":
+                name = value.strip()
+            elif key == "VmRSS":
+                parts = value.split()
+                rss = int(parts[0]) * 1024 if parts and parts[0].isdigit() else 0
+        found.append(Proc(int(entry.name), name, rss))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
+
+
+async def watch_memory(
+    *,
+    meminfo: Callable[[], str] = lambda: Path("/proc/meminfo").read_text(),
+    procs: Callable[[], list[Proc]] = read_procs,
+    kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
+    alive: Callable[[int], bool] = _alive,
+    report: Callable[[str], None] | None = None,
+) -> None:
+    """Forever: when the guest's memory is used up, kill the largest process."""
+    spare = {1, os.getpid()}
+    pending: tuple[int, float] | None = None  # the latest victim and when it was killed
+    say = report or _console
+    while True:
+        try:
+            total, free = free_bytes(meminfo())
+        except (OSError, ValueError):
+            await trio.sleep(POLL_MAX_S)
+            continue
+        if total > 0 and free < total * RESERVE_PCT / 100:
+            if pending is not None and (
+                alive(pending[0]) and time.monotonic() - pending[1] < VICTIM_GRACE_S
+            ):
+                await trio.sleep(POLL_MIN_S)
+                continue
+            chosen = victim(procs(), spare)
+            if chosen is not None:
+                try:
+                    kill(chosen.pid)
+                except ProcessLookupError:
+                    pass
+                else:
+                    pending = (chosen.pid, time.monotonic())
+                    say(
+                        format_kill(
+                            OomKill(chosen.pid, chosen.name, chosen.rss_bytes, total, time.time())
+                        )
+                    )
+        await trio.sleep(poll_interval(max(free, 0)))
+
+
+def _console(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def limit_processes(limit: int) -> Callable[[], None]:
+    """A preexec function that caps the child's processes (threads included) at `limit`."""
+
+    def apply() -> None:  # runs in the child between fork and exec
+        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+
+    return apply

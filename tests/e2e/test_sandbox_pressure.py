@@ -1,0 +1,152 @@
+"""Sandboxes under pressure behave like machines: the unmodified e2b SDK against a real node.
+
+Rules: loopback only; the session `node` fixture owns the node (default
+512 MiB sandboxes); every test kills the sandboxes it creates. A memory hog
+is the process that dies (the sandbox, its other processes and envd live
+on, and the kill shows in the sandbox's logs and the node's metrics); a
+fork bomb meets the process limit (EAGAIN) while envd keeps answering; a
+sandbox whose runtime the host kills stays known, with the reason; hostile
+bodies and Host headers get a 400.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import CommandExitException, Sandbox
+from e2b.exceptions import NotFoundException, SandboxException
+
+from tests.conftest import NET_PREFIX, NodeProc, requires_node
+
+pytestmark = [requires_node, pytest.mark.runsc]
+
+TEMPLATE = os.environ.get("AENV_TEST_TEMPLATE", "base")
+
+
+@pytest.fixture
+def sbx(node: NodeProc) -> Iterator[Sandbox]:
+    s = Sandbox.create(TEMPLATE, timeout=300)
+    try:
+        yield s
+    finally:
+        with contextlib.suppress(Exception):
+            s.kill()
+
+
+def _logs(node: NodeProc, sandbox_id: str) -> list[dict[str, object]]:
+    r = httpx.get(f"{node.url}/v2/sandboxes/{sandbox_id}/logs", headers={"X-API-Key": node.api_key})
+    r.raise_for_status()
+    logs: list[dict[str, object]] = r.json()["logs"]
+    return logs
+
+
+def _metric(node: NodeProc, name: str) -> float:
+    text = httpx.get(f"{node.url}/metrics", headers={"X-API-Key": node.api_key}).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
+
+
+def test_memory_hog_dies_alone(node: NodeProc, sbx: Sandbox) -> None:
+    oom_before = _metric(node, "aenv_sandbox_oom_kills_total")
+    bystander = sbx.commands.run("sleep 600", background=True)
+    sbx.files.write("/home/user/kept.txt", "still here")
+    assert "MemTotal:         524288 kB" in sbx.commands.run("cat /proc/meminfo").stdout
+    with pytest.raises(CommandExitException) as ei:
+        sbx.commands.run("python3 -c 'x = bytearray(2*1024**3)'", timeout=120)
+    assert ei.value.exit_code in (-1, 137)
+    # from a shell the kill is the familiar 137
+    r = sbx.commands.run("python3 -c 'x = bytearray(2*1024**3)'; echo status=$?", timeout=120)
+    assert "status=137" in r.stdout
+    # the sandbox, its files and its other processes live on
+    assert sbx.commands.run("echo alive").stdout.strip() == "alive"
+    assert sbx.files.read("/home/user/kept.txt") == "still here"
+    assert bystander.pid in [p.pid for p in sbx.commands.list()]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        kills = [e for e in _logs(node, sbx.sandbox_id) if "out of memory" in str(e["message"])]
+        if len(kills) >= 2:
+            break
+        time.sleep(0.5)
+    assert len(kills) >= 2, _logs(node, sbx.sandbox_id)
+    assert "python3" in str(kills[0]["message"])
+    assert _metric(node, "aenv_sandbox_oom_kills_total") >= oom_before + 2
+
+
+def test_fork_bomb_meets_the_process_limit(sbx: Sandbox) -> None:
+    assert sbx.commands.run("ulimit -u").stdout.strip() == "256"
+    # the shell that starts it returns at once; its descendants fork on, orphaned
+    sbx.commands.run("bash -c 'b(){ b|b& }; b' >/tmp/bomb.log 2>&1", timeout=60)
+    # envd keeps answering while the bomb runs (how fast depends on the machine:
+    # a busy 2-core host answered a few calls in these 12 s, a quiet one dozens)
+    t0 = time.monotonic()
+    busiest = 0
+    while time.monotonic() - t0 < 12:
+        r = sbx.commands.run("pgrep -c -u user || true", user="root", timeout=60)
+        busiest = max(busiest, int(r.stdout.strip() or 0))
+    assert 100 <= busiest <= 256  # it was at it, up to the limit
+    assert "Resource temporarily unavailable" in sbx.files.read("/tmp/bomb.log")
+    # once it is killed the sandbox is as usable as before
+    with contextlib.suppress(CommandExitException):
+        # (until none is left: a bomb forks again between pkill's reads)
+        sbx.commands.run(
+            "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
+            user="root",
+            timeout=60,
+        )
+    assert sbx.commands.run("echo ok").stdout.strip() == "ok"
+
+
+def test_sandbox_killed_by_the_host_says_why(node: NodeProc) -> None:
+    s = Sandbox.create(TEMPLATE, timeout=300)
+    try:
+        sid = s.sandbox_id
+        # the host runs short: its cgroup limit just above what the sandbox holds now
+        memory = Path(f"/sys/fs/cgroup/memory/{NET_PREFIX}/{sid}")
+        if memory.is_dir():
+            use = int((memory / "memory.usage_in_bytes").read_text())
+            (memory / "memory.limit_in_bytes").write_text(str(use + (16 << 20)))
+        else:
+            v2 = Path(f"/sys/fs/cgroup/{NET_PREFIX}/{sid}")
+            use = int((v2 / "memory.current").read_text())
+            (v2 / "memory.max").write_text(str(use + (16 << 20)))
+        with pytest.raises(SandboxException):
+            s.commands.run("python3 -c 'x = bytearray(300*1024**2)'", timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = httpx.get(f"{node.url}/sandboxes/{sid}", headers={"X-API-Key": node.api_key})
+            if "died" in r.text:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 404
+        assert "died at" in r.json()["message"]
+        assert "out of memory" in r.json()["message"]
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(sid)
+        assert _metric(node, "aenv_sandboxes_died_total") >= 1
+    finally:
+        with contextlib.suppress(Exception):
+            s.kill()
+
+
+def test_hostile_requests_get_400(node: NodeProc) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.post(
+        f"{node.url}/sandboxes",
+        content=deep,
+        headers={"X-API-Key": node.api_key, "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert "nested" in r.json()["message"]
+    for host in ("a" * 5000, "49983-" + "a" * 5000 + ".example", "a..b"):
+        r = httpx.get(f"{node.url}/health", headers={"Host": host})
+        assert r.status_code == 400, host[:20]
+        assert r.json()["code"] == 400
