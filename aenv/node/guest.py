@@ -1,4 +1,7 @@
-"""A template's start command, started in a sandbox the node boots for it.
+"""Commands the node runs in a sandbox through its envd: build steps, start commands.
+
+`run_in_sandbox` runs `/bin/sh -c` as a user and streams its output by
+lines (`Lines`); template builds (`aenv.node.builds`) run their steps with it.
 
 A default template that runs a server (`code-interpreter-v1`: its start and
 ready commands come from `aenv.storage.rootfs.START_COMMANDS`) is captured
@@ -28,52 +31,84 @@ from aenv.storage.templates import Template
 
 READY_POLL_S = 0.25
 TAIL_LINES = 20
+MAX_LINE = 8192  # a longer partial line is passed on as it is
 
 
 class StartFailed(Exception):
-    pass
+    """A template's start command ended, or its ready command did not pass."""
 
 
-async def _run(
+class Lines:
+    """Splits a process's output into log lines (per stream, keeping partial lines)."""
+
+    def __init__(self, emit: Callable[[str, str], None]) -> None:
+        self.emit = emit
+        self.partial: dict[str, bytes] = {}
+
+    def feed(self, stream: str, data: bytes) -> None:
+        buf = self.partial.get(stream, b"") + data
+        *lines, rest = buf.split(b"\n")
+        for line in lines:
+            self.emit(stream, line.decode("utf-8", "replace").rstrip("\r"))
+        if len(rest) > MAX_LINE:
+            self.emit(stream, rest.decode("utf-8", "replace"))
+            rest = b""
+        self.partial[stream] = rest
+
+    def flush(self) -> None:
+        for stream, rest in self.partial.items():
+            if rest:
+                self.emit(stream, rest.decode("utf-8", "replace"))
+        self.partial.clear()
+
+
+async def run_in_sandbox(
     actor: SandboxActor,
     cmd: str,
-    template: Template,
-    output: collections.deque[str],
-    on_start: Callable[[], None] = lambda: None,
-) -> int:
-    """Run `/bin/sh -c cmd` as the template's user, in its directory; its exit code
-    (-1 if killed). Output lines go to `output`; `on_start` is called once the
-    process started."""
-    if actor.http is None or actor.sandbox_ip is None:
-        raise StartFailed(f"sandbox {actor.sandbox_id} is not running")
+    *,
+    user: str,
+    envs: dict[str, str],
+    cwd: str | None,
+    on_output: Callable[[str, str], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> tuple[int, str]:
+    """Run `/bin/sh -c cmd` through the sandbox's envd; (exit code, envd's status).
+
+    A process killed by a signal has exit code -1. Raises cn.ConnectError if
+    envd refuses to start it, and httpx errors if envd goes away.
+    """
+    client = actor.http
+    if client is None or actor.sandbox_ip is None:
+        raise RuntimeError(f"sandbox {actor.sandbox_id} is not running")
+    # no idle connection may stay behind: a memory capture would hold it
     envd = EnvdClient(
-        actor.http,
+        client,
         f"http://{actor.sandbox_ip}:{ENVD_PORT}",
         actor.envd_access_token,
-        user=template.default_user,
-        close_connections=True,  # a memory capture must not hold a connection
+        user=user,
+        close_connections=True,
     )
-    config: dict[str, Any] = {
-        "cmd": "/bin/sh",
-        "args": ["-c", cmd],
-        "envs": template.env_map,
-        "cwd": template.default_workdir,
-    }
-    started = False
+    config: dict[str, Any] = {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": envs}
+    if cwd is not None:
+        config["cwd"] = cwd
+    lines = Lines(on_output or (lambda _s, _l: None))
     async with await envd.start_process({"process": config, "stdin": False}) as stream:
         async for event in stream:
-            if "start" in event and not started:
-                started = True
-                on_start()
+            if "start" in event and on_start is not None:
+                on_start(int(event["start"].get("pid", 0)))
             elif "data" in event:
                 for name in ("stdout", "stderr", "pty"):
                     data = event["data"].get(name)
                     if data:
-                        output.extend(data.decode("utf-8", "replace").splitlines())
+                        lines.feed(name, data)
             elif "end" in event:
+                lines.flush()
                 end = event["end"]
-                return int(end.get("exit_code", 0)) if end.get("exited", False) else -1
-    raise StartFailed("envd ended the stream without an exit status")
+                status = str(end.get("status", ""))
+                code = int(end.get("exit_code", 0)) if end.get("exited", False) else -1
+                return code, status
+    how = "ended" if stream.complete else "closed"
+    raise cn.ConnectError(cn.Code.UNKNOWN, f"envd {how} the stream without an exit status")
 
 
 async def start_and_wait(actor: SandboxActor, template: Template, *, timeout_s: float) -> None:
@@ -82,20 +117,30 @@ async def start_and_wait(actor: SandboxActor, template: Template, *, timeout_s: 
     assert template.start_cmd is not None
     output: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     ended: list[str] = []
+    as_template: dict[str, Any] = {
+        "user": template.default_user,
+        "envs": template.env_map,
+        "cwd": template.default_workdir,
+    }
+
+    def keep(_stream: str, line: str) -> None:
+        output.append(line)
 
     async def start(task_status: trio.TaskStatus[None]) -> None:
         # never raises: a failure is recorded in `ended` for the waiting loop
         reported = False
 
-        def on_start() -> None:
+        def on_start(_pid: int) -> None:
             nonlocal reported
             reported = True
             task_status.started()
 
         try:
-            code = await _run(actor, template.start_cmd or "", template, output, on_start)
-            ended.append(f"exit code {code}")
-        except (cn.ConnectError, httpx.HTTPError, DecodeError, StartFailed) as exc:
+            code, status = await run_in_sandbox(
+                actor, template.start_cmd or "", **as_template, on_output=keep, on_start=on_start
+            )
+            ended.append(f"exit code {code}" if code >= 0 else status)
+        except (cn.ConnectError, httpx.HTTPError, DecodeError, RuntimeError) as exc:
             ended.append(f"an error: {exc}")
         if not reported:
             task_status.started()
@@ -112,9 +157,9 @@ async def start_and_wait(actor: SandboxActor, template: Template, *, timeout_s: 
                     raise failed(f"the start command ended with {ended[0]}")
                 if template.ready_cmd is None:
                     break
-                probe: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
                 try:
-                    if await _run(actor, template.ready_cmd, template, probe) == 0:
+                    code, _ = await run_in_sandbox(actor, template.ready_cmd, **as_template)
+                    if code == 0:
                         break
                 except cn.ConnectError as exc:
                     raise failed(f"the ready command could not run: {exc.message}") from None
