@@ -427,6 +427,29 @@ def list_(
 
 
 @app.command
+def logs(
+    sandbox: SandboxRef,
+    /,
+    *,
+    egress: Annotated[
+        bool,
+        Parameter(help="only the egress log: each outbound connection the egress proxy decided"),
+    ] = False,
+    limit: Annotated[int, Parameter(help="at most this many entries")] = 1000,
+    output: Output = None,
+    node: NodeOptions = _NODE,
+) -> None:
+    """Show a sandbox's log (lifecycle events; with --egress, its outbound connections)."""
+    _positive(limit, "--limit")
+    with node.client() as c:
+        sid = c.resolve_sandbox(sandbox)
+        entries = c.sandbox_logs(sid, limit=limit if not egress else 100_000)
+    if egress:
+        entries = [e for e in entries if (e.get("fields") or {}).get("kind") == "egress"][-limit:]
+    _emit(entries, output, render.egress_table if egress else render.logs_table)
+
+
+@app.command
 def pause(sandbox: SandboxRef, /, *, node: NodeOptions = _NODE) -> None:
     """Pause a sandbox (memory and disk kept, CPU stopped)."""
     with node.client() as c:

@@ -70,6 +70,12 @@ class Config:
     # Operator bound on every sandbox's egress (CIDRs); a sandbox's own allowOut
     # can never reach beyond it. Private ranges are refused regardless.
     egress_cap: tuple[str, ...] = ("0.0.0.0/0",)
+    # DNS servers (host[:port]) the egress proxy asks to check that a host name
+    # a sandbox's connection claims has the address it dialled (AENV_EGRESS_DNS);
+    # empty: the host's own resolver (getaddrinfo).
+    egress_dns: tuple[str, ...] = ()
+    # The egress proxy's port on the host (AENV_EGRESS_PORT); 0: one the kernel picks.
+    egress_port: int = 0
     default_timeout_s: int = 300
     max_timeout_s: int = 24 * 3600
     max_sandboxes: int = 256
@@ -286,6 +292,10 @@ class Config:
             kw["egress_cap"] = tuple(
                 c.strip() for c in env["AENV_EGRESS_CAP"].split(",") if c.strip()
             )
+        if env.get("AENV_EGRESS_DNS"):
+            kw["egress_dns"] = tuple(_csv(env["AENV_EGRESS_DNS"]))
+        if env.get("AENV_EGRESS_PORT"):
+            kw["egress_port"] = int(env["AENV_EGRESS_PORT"])
         if "AENV_NODE_TAG" in env:
             kw["node_tag"] = env["AENV_NODE_TAG"]
         if env.get("AENV_WARM_TEMPLATES"):

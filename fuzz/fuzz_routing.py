@@ -102,7 +102,7 @@ odd_ports = (
 
 domains = st.sampled_from(
     ["sbx.example.com", "e2b.app", "localhost", "Example.COM", "a", "xn--bcher-kva.example"]
-) | st.from_regex(r"[a-z0-9][a-z0-9.-]{0,30}", fullmatch=True)
+) | st.from_regex(r"[a-z0-9][a-z0-9-]{0,9}(\.[a-z0-9][a-z0-9-]{0,9}){0,3}", fullmatch=True)
 maybe_domains = st.none() | domains | st.text(max_size=20)
 
 header_keys = st.sampled_from(

@@ -26,6 +26,7 @@ from aenv.api import (
     images,
     logs,
     sandboxes,
+    secrets,
     snapshots,
     tags,
     templates,
@@ -47,6 +48,7 @@ BLUEPRINTS = (
     images.bp,
     exec_ws.bp,  # the exec WebSocket (docs/exec-protocol.md)
     cluster.bp,  # members, each node's own sandboxes, the nodes' links
+    secrets.bp,  # write-only secret values (Secret)
 )
 
 

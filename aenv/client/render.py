@@ -116,6 +116,33 @@ def snapshots_table(items: Sequence[dict[str, Any]]) -> str:
     return table(["SNAPSHOT ID", "NAME", "FROM SANDBOX", "CREATED"], rows)
 
 
+def logs_table(items: Sequence[dict[str, Any]]) -> str:
+    """Log entries as `TIME LEVEL MESSAGE` lines (no header: a log reads as one)."""
+    return "\n".join(
+        f"{e.get('timestamp', '')}  {str(e.get('level', '')).upper():5}  {e.get('message', '')}"
+        for e in items
+    )
+
+
+def egress_table(items: Sequence[dict[str, Any]]) -> str:
+    """Egress entries (`aenv logs --egress`): one connection a row."""
+    rows = []
+    for e in items:
+        f = e.get("fields") or {}
+        rows.append(
+            [
+                str(e.get("timestamp", "")),
+                str(f.get("verdict", "")),
+                str(f.get("host", "") or "-"),
+                f"{f.get('ip', '')}:{f.get('port', '')}",
+                str(f.get("bytesOut", "")),
+                str(f.get("bytesIn", "")),
+                str(f.get("reason", "")),
+            ]
+        )
+    return table(["TIME", "VERDICT", "HOST", "ADDRESS", "OUT B", "IN B", "REASON"], rows)
+
+
 def _gib(n: Any) -> str:
     return f"{n / 2**30:.1f}" if isinstance(n, int | float) else "-"
 

@@ -172,6 +172,20 @@ class Client:
             raise ProtocolViolation("sandbox: the node did not answer an object")
         return body
 
+    def sandbox_logs(self, sandbox_id: str, *, limit: int = 1000) -> list[dict[str, Any]]:
+        """The sandbox's log entries, oldest first (`GET /v2/sandboxes/{id}/logs`)."""
+        resp = self.request(
+            "GET",
+            f"/v2/sandboxes/{_seg(sandbox_id)}/logs",
+            params={"limit": str(limit)},
+            what="sandbox logs",
+        )
+        body = self._json(resp)
+        logs = body.get("logs") if isinstance(body, dict) else None
+        if not isinstance(logs, list):
+            raise ProtocolViolation("sandbox logs: the node did not answer a list of logs")
+        return [e for e in logs if isinstance(e, dict)]
+
     def create_sandbox(
         self,
         template: str,

@@ -65,6 +65,15 @@ from aenv.node import forks, guest, pressure
 from aenv.node.builds import Builds
 from aenv.node.defaults import DefaultTemplates
 from aenv.node.durable import Durable
+from aenv.node.egress import (
+    EgressEvent,
+    EgressProxy,
+    Resolver,
+    egress_entry,
+    egress_metrics,
+    listener_port,
+    open_egress_listener,
+)
 from aenv.node.host import Host, HttpEnvd, WritableRoots
 from aenv.node.pool import Pool
 from aenv.node.sandbox import Fork, LiveCapture, Resume, SandboxActor, Snapshot, policy_of
@@ -89,6 +98,7 @@ from aenv.runtimes.netns import NetSlot, network_metrics, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import OverlayRoots
+from aenv.storage.secrets import SecretStore
 from aenv.storage.templates import (
     Template,
     TemplateConflict,
@@ -197,6 +207,8 @@ class Node:
         self.layers = LayerStore(config.home / "layers")
         self.meta = Metadata(MetadataStore(config.home / "aenv.db"))
         self.snapshots = Snapshots(config.home / "snapshots", self.meta)
+        # `/secrets`: write-only values, encrypted under the node's key
+        self.secrets = SecretStore(config.secrets_dir / "values")
         self.api_key = api_key
         self.limits = Limits(
             max_timeout_s=config.max_timeout_s,
@@ -286,6 +298,14 @@ class Node:
                 functools.partial(actor.mailbox.ask, kill, timeout=120),
                 f"stopping sandbox {actor.sandbox_id}",
             )
+
+    def egress_event(self, event: EgressEvent) -> None:
+        """Put a connection the egress proxy decided in its sandbox's log."""
+        for actor in self._sandboxes.values():
+            if actor.sandbox_ip == event.sandbox_ip:
+                message, level, fields = egress_entry(event)
+                actor.note(message, level, **fields)
+                return
 
     def _image_metrics(self) -> None:
         def cache(field: str) -> Any:
@@ -1026,12 +1046,14 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
     live = await reap_leftovers(config, runtime=runtime, roots=roots)
     async with (
         open_images(config) as images,
+        await open_egress_listener(port=config.egress_port) as egress_listener,
         open_host_network(
             cidr=slot_cidr,
             prefix=prefix,
             table=prefix,
             egress_cap=config.egress_cap,
             adopt=adoptable_slots(live),
+            proxy_port=listener_port(egress_listener),
         ) as network,
     ):
         host = Host(runtime=runtime, network=network, roots=roots, envd=HttpEnvd())
@@ -1040,9 +1062,20 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
             async def guard(_stop: StopToken) -> None:
                 await network.guard(every_s=config.network_check_s, on_lost=node.network_lost)
 
+            proxy = EgressProxy(
+                policies=network, resolver=Resolver(config.egress_dns), on_event=node.egress_event
+            )
+
+            async def egress(_stop: StopToken) -> None:
+                await proxy.serve(egress_listener)
+
             network_metrics(node.metrics, network)
+            egress_metrics(node.metrics, proxy)
             node.services.start_soon(
                 "network-guard", guard, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
+            )
+            node.services.start_soon(
+                "egress-proxy", egress, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
             )
             yield node
 

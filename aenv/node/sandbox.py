@@ -381,6 +381,11 @@ class SandboxActor:
             return []
         return data.decode("utf-8", "replace").splitlines()[-limit:]
 
+    def note(self, message: str, level: str = "info", **fields: str) -> None:
+        """Add an entry to this sandbox's log only (not the node's): the egress
+        proxy's per-connection entries."""
+        self._logs.append(LogEntry(time.time(), level, message, dict(fields)))
+
     def _log(self, message: str, level: str = "info", **fields: str) -> None:
         self._logs.append(LogEntry(time.time(), level, message, dict(fields)))
         log.info("%s: %s", self.sandbox_id, message, extra={"sandbox_id": self.sandbox_id})

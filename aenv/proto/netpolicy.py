@@ -10,8 +10,12 @@ other sandboxes are added by the caller). The `render_*` functions turn the
 same decision into nftables scripts (`nft -f -` input) for the host's `inet`
 table: one for the table with its hooks, one per slot (idempotent, applied in
 one atomic transaction, so it both creates and live-replaces a slot's rules),
-and one that removes a slot. Domain names in `allowOut` are not supported yet.
-IPv6 egress is always dropped (sandboxes get no IPv6 address).
+and one that removes a slot. Host names in `allowOut`/`denyOut` cannot be
+matched by a packet filter: a slot with host rules has its TCP redirected to
+the node's egress proxy (`render_slot_rules(proxy_port=...)`), which reads
+the name the connection claims and asks `EgressPolicy.decide`; everything
+else (UDP, ICMP, TCP to allowOut CIDRs) stays in nftables. IPv6 egress is
+always dropped (sandboxes get no IPv6 address).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 ALL_TRAFFIC: Final = "0.0.0.0/0"
 # Bound on entries per list, so one request cannot build an unbounded ruleset.
 MAX_ENTRIES: Final = 4096
+MAX_DNS_SERVERS: Final = 10
+# the resolver E2B opens when allowOut names a host and dnsServers is not given
+DEFAULT_DNS_SERVERS: Final = ("8.8.8.8",)
 
 # Never reachable from a sandbox, whatever its allowOut says. The IETF
 # documentation ranges (192.0.2.0/24, 198.51.100.0/24, 203.0.113.0/24) are not
@@ -60,17 +67,10 @@ class PolicyError(ValueError):
     """A network policy a client sent that aenv cannot accept (the API answers 400)."""
 
 
-def _parse_entry(entry: object, *, what: str) -> IPNetwork:
-    if not isinstance(entry, str):
-        raise PolicyError(f"{what} entries must be strings, got {type(entry).__name__}")
+def _parse_ip_entry(entry: str, *, what: str) -> IPNetwork:
     try:
         net = ipaddress.ip_network(entry, strict=False)
     except ValueError:
-        if what == "allowOut" and _DOMAIN_RE.match(entry):
-            raise PolicyError(
-                f"allowOut entry {entry!r} is a domain name; aenv supports only IP "
-                "addresses and CIDR blocks in allowOut for now"
-            ) from None
         if what == "allowOut":
             raise PolicyError(f"invalid allowed address {entry}") from None
         raise PolicyError(f"invalid denied CIDR {entry}: expected an IP address or CIDR") from None
@@ -83,24 +83,99 @@ def _parse_entry(entry: object, *, what: str) -> IPNetwork:
     return net
 
 
-def _parse_list(raw: object, *, what: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Return (normalised CIDRs, entries as given), both de-duplicated in order."""
+def host_pattern(entry: str) -> str | None:
+    """`entry` as a host-name rule (lowercase, no trailing dot; `*.` kept), or
+    None if it is not one (an IP address or CIDR is not)."""
+    if not _DOMAIN_RE.match(entry):
+        return None
+    bare = entry.lower().rstrip(".")
+    if bare.removeprefix("*.").replace(".", "").isdigit():
+        return None  # an IPv4 literal, not a name
+    return bare
+
+
+def _parse_entry(entry: object, *, what: str) -> IPNetwork | str:
+    """An entry as a network, or as a host-name pattern (a `str`)."""
+    if not isinstance(entry, str):
+        raise PolicyError(f"{what} entries must be strings, got {type(entry).__name__}")
+    try:
+        ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        pattern = host_pattern(entry)
+        if pattern is not None:
+            return pattern
+    return _parse_ip_entry(entry, what=what)
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    cidrs: tuple[str, ...]
+    hosts: tuple[str, ...]
+    given: tuple[str, ...]
+
+
+def _parse_list(raw: object, *, what: str) -> _Parsed:
+    """Normalised CIDRs, host patterns and the entries as given, each de-duplicated in order."""
     if raw is None:
-        return (), ()
+        return _Parsed((), (), ())
     if not isinstance(raw, list | tuple):
         raise PolicyError(f"network.{what} must be a list of strings")
     if len(raw) > MAX_ENTRIES:
         raise PolicyError(f"network.{what} has {len(raw)} entries; at most {MAX_ENTRIES}")
-    norm: dict[str, None] = {}
+    cidrs: dict[str, None] = {}
+    hosts: dict[str, None] = {}
     given: dict[str, None] = {}
     for entry in raw:
-        norm[str(_parse_entry(entry, what=what))] = None
+        parsed = _parse_entry(entry, what=what)
+        if isinstance(parsed, str):
+            hosts[parsed] = None
+        else:
+            cidrs[str(parsed)] = None
         given[str(entry)] = None
-    return tuple(norm), tuple(given)
+    return _Parsed(tuple(cidrs), tuple(hosts), tuple(given))
+
+
+def _parse_dns_servers(raw: object) -> tuple[str, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list | tuple) or not all(isinstance(s, str) for s in raw):
+        raise PolicyError("network.dnsServers must be a list of IPv4 addresses")
+    if len(raw) > MAX_DNS_SERVERS:
+        raise PolicyError(f"network.dnsServers has {len(raw)} entries; at most {MAX_DNS_SERVERS}")
+    out: dict[str, None] = {}
+    for s in raw:
+        try:
+            out[str(ipaddress.IPv4Address(s))] = None
+        except ValueError:
+            raise PolicyError(f"invalid DNS server {s!r}: expected an IPv4 address") from None
+    return tuple(out)
 
 
 def _normalise(entries: Iterable[str], *, what: str) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(str(_parse_entry(e, what=what)) for e in entries))
+    return tuple(dict.fromkeys(str(_parse_ip_entry(e, what=what)) for e in entries))
+
+
+def _normalise_hosts(entries: Iterable[str]) -> tuple[str, ...]:
+    out: dict[str, None] = {}
+    for e in entries:
+        pattern = host_pattern(e)
+        if pattern is None:
+            raise PolicyError(f"invalid host name {e!r}")
+        out[pattern] = None
+    return tuple(out)
+
+
+def host_matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether host `name` (normalised) matches one of `patterns`: an exact name,
+    or `*.suffix`, which matches names below `suffix` at any depth but not
+    `suffix` itself (as E2B)."""
+    for p in patterns:
+        if p.startswith("*."):
+            if name.endswith(p[1:]) and len(name) > len(p) - 1:
+                return True
+        elif name == p:
+            return True
+    return False
 
 
 def _in_any(ip: ipaddress.IPv4Address, nets: Iterable[str | IPNetwork]) -> bool:
@@ -111,6 +186,19 @@ def _in_any(ip: ipaddress.IPv4Address, nets: Iterable[str | IPNetwork]) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Decision:
+    """The proxy's verdict on one connection, and why, in words for the egress log.
+
+    `verify` is the host name whose resolution must contain the dialled
+    address before the connection may go (None: the address alone decided).
+    """
+
+    allowed: bool
+    reason: str
+    verify: str | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class EgressPolicy:
     """What a sandbox may connect to. The default allows the internet."""
@@ -118,6 +206,11 @@ class EgressPolicy:
     allow_internet: bool = True
     allow_out: tuple[str, ...] = ()  # normalised CIDRs (an IP becomes /32)
     deny_out: tuple[str, ...] = ()
+    # host-name rules: exact names and `*.suffix` wildcards, lowercase
+    allow_hosts: tuple[str, ...] = ()
+    deny_hosts: tuple[str, ...] = ()
+    # resolvers opened when `allow_hosts` is not empty (None: the default, 8.8.8.8)
+    dns_servers: tuple[str, ...] | None = None
     # The lists as the client spelled them, reported back by GET as E2B does.
     allow_out_given: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
     deny_out_given: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
@@ -126,6 +219,27 @@ class EgressPolicy:
         # Direct construction gets the same normalisation as from_request.
         object.__setattr__(self, "allow_out", _normalise(self.allow_out, what="allowOut"))
         object.__setattr__(self, "deny_out", _normalise(self.deny_out, what="denyOut"))
+        object.__setattr__(self, "allow_hosts", _normalise_hosts(self.allow_hosts))
+        object.__setattr__(self, "deny_hosts", _normalise_hosts(self.deny_hosts))
+        if self.dns_servers is not None:
+            object.__setattr__(self, "dns_servers", _parse_dns_servers(self.dns_servers))
+
+    @property
+    def has_hosts(self) -> bool:
+        """Whether host-name rules exist: the sandbox's TCP goes through the egress proxy."""
+        return bool(self.allow_hosts or self.deny_hosts)
+
+    @property
+    def resolvers(self) -> tuple[str, ...]:
+        """The DNS servers opened by host names in allowOut (none without such names)."""
+        if not self.allow_hosts:
+            return ()
+        return DEFAULT_DNS_SERVERS if self.dns_servers is None else self.dns_servers
+
+    @property
+    def open_cidrs(self) -> tuple[str, ...]:
+        """What allowOut accepts by address: its CIDRs and the opened resolvers."""
+        return tuple(dict.fromkeys([*self.allow_out, *(f"{r}/32" for r in self.resolvers)]))
 
     def to_doc(self) -> dict[str, Any]:
         """The policy as stored in a journal record or sent between nodes."""
@@ -133,17 +247,25 @@ class EgressPolicy:
             "allowInternet": self.allow_internet,
             "allowOut": list(self.allow_out),
             "denyOut": list(self.deny_out),
+            "allowHosts": list(self.allow_hosts),
+            "denyHosts": list(self.deny_hosts),
+            "dnsServers": None if self.dns_servers is None else list(self.dns_servers),
             "allowOutGiven": None if self.allow_out_given is None else list(self.allow_out_given),
             "denyOutGiven": None if self.deny_out_given is None else list(self.deny_out_given),
         }
 
     @classmethod
     def from_doc(cls, p: Mapping[str, Any]) -> EgressPolicy:
-        """The policy `to_doc` wrote (trusted input: this node's or a peer's)."""
+        """The policy `to_doc` wrote (trusted input: this node's or a peer's;
+        records written before host names existed lack their keys)."""
+        dns = p.get("dnsServers")
         return cls(
             allow_internet=bool(p["allowInternet"]),
             allow_out=tuple(p["allowOut"]),
             deny_out=tuple(p["denyOut"]),
+            allow_hosts=tuple(p.get("allowHosts") or ()),
+            deny_hosts=tuple(p.get("denyHosts") or ()),
+            dns_servers=None if dns is None else tuple(dns),
             allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
             deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
         )
@@ -158,8 +280,8 @@ class EgressPolicy:
         """Validate a create/update body's egress fields (E2B wire names).
 
         `allow_internet_access` None means "not given" (the internet is
-        allowed). Only `allowOut` and `denyOut` are read from `network`; the
-        API layer vets its other keys.
+        allowed). Only `allowOut`, `denyOut` and `dnsServers` are read from
+        `network`; the API layer vets its other keys.
         """
         if allow_internet_access is not None and not isinstance(allow_internet_access, bool):
             raise PolicyError("allow_internet_access must be a boolean")
@@ -167,18 +289,22 @@ class EgressPolicy:
             network = {}
         elif not isinstance(network, Mapping):
             raise PolicyError("network must be an object")
-        allow, allow_given = _parse_list(network.get("allowOut"), what="allowOut")
-        deny, deny_given = _parse_list(network.get("denyOut"), what="denyOut")
+        allow = _parse_list(network.get("allowOut"), what="allowOut")
+        deny = _parse_list(network.get("denyOut"), what="denyOut")
         return cls(
             allow_internet=allow_internet_access is not False,
-            allow_out=allow,
-            deny_out=deny,
-            allow_out_given=allow_given if network.get("allowOut") is not None else None,
-            deny_out_given=deny_given if network.get("denyOut") is not None else None,
+            allow_out=allow.cidrs,
+            deny_out=deny.cidrs,
+            allow_hosts=allow.hosts,
+            deny_hosts=deny.hosts,
+            dns_servers=_parse_dns_servers(network.get("dnsServers")),
+            allow_out_given=allow.given if network.get("allowOut") is not None else None,
+            deny_out_given=deny.given if network.get("denyOut") is not None else None,
         )
 
     def allows(self, ip: str, *, blocked: Iterable[str] = ()) -> bool:
-        """Whether a new connection from the sandbox to `ip` is let through.
+        """Whether a new connection from the sandbox to `ip` is let through
+        by address alone (no host name known: what non-TCP traffic gets).
 
         `blocked` adds the caller's never-reachable ranges (the slot CIDR) to
         `ALWAYS_BLOCKED`. IPv6 destinations are never allowed.
@@ -191,25 +317,63 @@ class EgressPolicy:
             return False
         if _in_any(addr, _ALWAYS_BLOCKED_NETS) or _in_any(addr, blocked):
             return False
-        if _in_any(addr, self.allow_out):
+        if _in_any(addr, self.open_cidrs):
             return True
         if not self.allow_internet:
             return False
         return not _in_any(addr, self.deny_out)
 
+    def needs_name(self, ip: str) -> bool:
+        """Whether a TCP connection to `ip` (not always-blocked) must name its
+        host before it can be decided: some host rule could change the verdict
+        the address alone gives."""
+        addr = ipaddress.IPv4Address(ip)
+        if _in_any(addr, self.open_cidrs):
+            return False
+        by_address = self.allow_internet and not _in_any(addr, self.deny_out)
+        return bool(self.deny_hosts) if by_address else bool(self.allow_hosts)
+
+    def decide(self, ip: str, name: str | None) -> Decision:
+        """The verdict on a TCP connection to `ip` that names host `name` (None:
+        none could be read), as E2B evaluates it: an allowOut entry (address
+        or name) beats any denyOut entry; without internet, or in a denyOut
+        CIDR, only allowOut lets through. An allowed name must still prove
+        itself: the caller checks `ip` is an address of `Decision.verify`.
+        """
+        addr = ipaddress.IPv4Address(ip)
+        if _in_any(addr, _ALWAYS_BLOCKED_NETS):
+            return Decision(False, "address in a range sandboxes never reach")
+        if _in_any(addr, self.open_cidrs):
+            return Decision(True, "address in allowOut")
+        if name is not None and host_matches(name, self.allow_hosts):
+            return Decision(True, "host in allowOut", verify=name)
+        if name is not None and host_matches(name, self.deny_hosts):
+            return Decision(False, "host in denyOut")
+        if not self.allow_internet:
+            return Decision(False, "internet access off" if name else "address not in allowOut")
+        if _in_any(addr, self.deny_out):
+            return Decision(False, "address in denyOut")
+        return Decision(True, "internet access on")
+
     def to_api(self) -> dict[str, object]:
-        """The egress part of `SandboxDetail.network` (`allowOut`, `denyOut`).
+        """The egress part of `SandboxDetail.network` (`allowOut`, `denyOut`, `dnsServers`).
 
         A list is reported only when the client set one, as it spelled it;
         `allow_internet` is reported separately as `allowInternetAccess`.
         """
         out: dict[str, object] = {}
-        allow = self.allow_out_given if self.allow_out_given is not None else self.allow_out
-        deny = self.deny_out_given if self.deny_out_given is not None else self.deny_out
+        allow = self.allow_out_given
+        if allow is None:
+            allow = (*self.allow_out, *self.allow_hosts)
+        deny = self.deny_out_given
+        if deny is None:
+            deny = (*self.deny_out, *self.deny_hosts)
         if allow or self.allow_out_given is not None:
             out["allowOut"] = list(allow)
         if deny or self.deny_out_given is not None:
             out["denyOut"] = list(deny)
+        if self.dns_servers is not None:
+            out["dnsServers"] = list(self.dns_servers)
         return out
 
 
@@ -244,7 +408,13 @@ def slot_chain(index: int) -> str:
 REJECT = "reject with icmpx type admin-prohibited"
 
 
-def render_table(*, table: str, cidr: str, egress_cap: Sequence[str] = ("0.0.0.0/0",)) -> str:
+def render_table(
+    *,
+    table: str,
+    cidr: str,
+    egress_cap: Sequence[str] = ("0.0.0.0/0",),
+    proxy_port: int | None = None,
+) -> str:
     """The node's `inet` table, replacing any earlier one of that name atomically.
 
     Slot interfaces are known by name only through the `ifaces` set (and the
@@ -256,7 +426,11 @@ def render_table(*, table: str, cidr: str, egress_cap: Sequence[str] = ("0.0.0.0
     operator's bound on every sandbox's egress: destinations outside it are
     refused whatever a sandbox's own policy allows. Refusals are rejects
     (ICMP administratively prohibited), so a blocked connect or DNS query fails
-    at once instead of timing out.
+    at once instead of timing out. With `proxy_port`, the host accepts from a
+    slot only the connections a slot's `redirects` chain sent to the egress
+    proxy listening there (`ct status dnat`); a sandbox dialling the port
+    itself is refused like any other host port, and the port is closed to
+    every other interface (the proxy listens on all addresses).
     """
     t = _check_name(table, "table")
     net = ipaddress.IPv4Network(cidr)
@@ -276,6 +450,7 @@ def render_table(*, table: str, cidr: str, egress_cap: Sequence[str] = ("0.0.0.0
             f"add set inet {t} ifaces {{ type ifname; }}",
             cap_set,
             f"add map inet {t} slots {{ type ifname : verdict; }}",
+            f"add map inet {t} redirects {{ type ifname : verdict; }}",
             f"add chain inet {t} forward {{ type filter hook forward priority filter; policy accept; }}",
             f"add rule inet {t} forward oifname @ifaces ct state established,related accept",
             f"add rule inet {t} forward oifname @ifaces drop",
@@ -284,7 +459,17 @@ def render_table(*, table: str, cidr: str, egress_cap: Sequence[str] = ("0.0.0.0
             f"add rule inet {t} forward iifname @ifaces drop",
             f"add chain inet {t} input {{ type filter hook input priority filter; policy accept; }}",
             f"add rule inet {t} input iifname @ifaces ct state established,related accept",
+            *(
+                [
+                    f"add rule inet {t} input iifname @ifaces tcp dport {int(proxy_port)} ct status dnat accept",
+                    f"add rule inet {t} input iifname != @ifaces tcp dport {int(proxy_port)} drop",
+                ]
+                if proxy_port is not None
+                else []
+            ),
             f"add rule inet {t} input iifname @ifaces {REJECT}",
+            f"add chain inet {t} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}",
+            f"add rule inet {t} prerouting iifname vmap @redirects",
             f"add chain inet {t} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}",
             f"add rule inet {t} postrouting ip saddr {net} ip daddr != {net} masquerade",
             "",
@@ -293,20 +478,31 @@ def render_table(*, table: str, cidr: str, egress_cap: Sequence[str] = ("0.0.0.0
 
 
 def render_slot_rules(
-    *, table: str, index: int, iface: str, sandbox_ip: str, policy: EgressPolicy
+    *,
+    table: str,
+    index: int,
+    iface: str,
+    sandbox_ip: str,
+    policy: EgressPolicy,
+    proxy_port: int | None = None,
 ) -> str:
     """One slot's chain and sets; creates them or atomically replaces their contents.
 
     Order, as E2B: always-blocked ranges drop, then allowOut accepts, then
     (without internet) everything else drops, then denyOut drops, else accept.
     Packets with another source address than the sandbox's, and IPv6, drop.
+    A policy with host names (and a `proxy_port`) also fills the slot's nat
+    chain: new TCP connections that the address alone does not settle (not
+    always-blocked, inside the egress cap, not to the host itself, not in
+    allowOut) are redirected to the egress proxy on the slot's host address.
+    Without host names the nat chain stays empty, so the proxy costs nothing.
     """
     t = _check_name(table, "table")
     ch = _check_name(slot_chain(index), "chain")
     ifn = _check_ifname(iface)
     src = ipaddress.IPv4Address(sandbox_ip)
     lines = [f"add chain inet {t} {ch}", f"flush chain inet {t} {ch}"]
-    for kind, cidrs in (("allow", policy.allow_out), ("deny", policy.deny_out)):
+    for kind, cidrs in (("allow", policy.open_cidrs), ("deny", policy.deny_out)):
         s = f"{ch}_{kind}"
         lines.append(f"add set inet {t} {s} {{ type ipv4_addr; flags interval; }}")
         lines.append(f"flush set inet {t} {s}")
@@ -326,6 +522,19 @@ def render_slot_rules(
         lines += [f"{rule} ip daddr @{ch}_deny {REJECT}", f"{rule} accept"]
     lines.append(f'add element inet {t} ifaces {{ "{ifn}" }}')
     lines.append(f'add element inet {t} slots {{ "{ifn}" : jump {ch} }}')
+    nat = f"{ch}_nat"
+    lines += [f"add chain inet {t} {nat}", f"flush chain inet {t} {nat}"]
+    if policy.has_hosts and proxy_port is not None:
+        rule = f"add rule inet {t} {nat}"
+        lines += [
+            f"{rule} ip saddr != {src} return",
+            f"{rule} ip daddr @blocked return",
+            f"{rule} ip daddr != @egress_cap return",
+            f"{rule} fib daddr type local return",
+            f"{rule} ip daddr @{ch}_allow return",
+            f"{rule} meta l4proto tcp redirect to :{int(proxy_port)}",
+        ]
+    lines.append(f'add element inet {t} redirects {{ "{ifn}" : jump {nat} }}')
     lines.append("")
     return "\n".join(lines)
 
@@ -342,6 +551,9 @@ def render_slot_delete(*, table: str, index: int, iface: str) -> str:
     return "\n".join(
         [
             f'delete element inet {t} slots {{ "{ifn}" }}',
+            f'delete element inet {t} redirects {{ "{ifn}" }}',
+            f"flush chain inet {t} {ch}_nat",
+            f"delete chain inet {t} {ch}_nat",
             f'delete element inet {t} ifaces {{ "{ifn}" }}',
             f"flush chain inet {t} {ch}",
             f"delete chain inet {t} {ch}",

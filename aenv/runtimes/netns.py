@@ -212,12 +212,16 @@ class HostNetwork:
         table: str,
         max_slots: int,
         egress_cap: Sequence[str] = ("0.0.0.0/0",),
+        proxy_port: int | None = None,
     ) -> None:
         self._cidr = cidr
+        self._proxy_port = proxy_port
         self._prefix = prefix
         self._table = table
         self._max_slots = max_slots
-        self._table_script = render_table(table=table, cidr=str(cidr), egress_cap=egress_cap)
+        self._table_script = render_table(
+            table=table, cidr=str(cidr), egress_cap=egress_cap, proxy_port=proxy_port
+        )
         self._table_shape = shape_of_script(self._table_script, table=table)
         # Freed slots go to the back, so an address is reused as late as possible
         # (conntrack entries of the previous sandbox expire meanwhile).
@@ -281,7 +285,21 @@ class HostNetwork:
             iface=slot.host_veth,
             sandbox_ip=slot.sandbox_ip,
             policy=policy,
+            proxy_port=self._proxy_port,
         )
+
+    def policy_of(self, sandbox_ip: str) -> tuple[int, EgressPolicy] | None:
+        """The slot index and policy of the open slot whose sandbox has address
+        `sandbox_ip` (None: no such slot), for the egress proxy."""
+        try:
+            offset = int(ipaddress.IPv4Address(sandbox_ip)) - int(self._cidr.network_address)
+        except ValueError:
+            return None
+        index, rest = divmod(offset, 4)
+        if rest != 2 or index not in self._open:
+            return None
+        policy = self._policies.get(index)
+        return None if policy is None else (index, policy)
 
     def open_slot(self, policy: EgressPolicy) -> AbstractAsyncContextManager[NetSlot]:
         """A fresh slot with `policy`; leaving the block deletes it."""
@@ -659,6 +677,7 @@ async def open_host_network(
     max_slots: int = 1024,
     egress_cap: Sequence[str] = ("0.0.0.0/0",),
     adopt: Mapping[int, EgressPolicy] | None = None,
+    proxy_port: int | None = None,
 ) -> AsyncIterator[HostNetwork]:
     """Set the host up for sandbox slots; leaving the block removes all of it.
 
@@ -666,6 +685,9 @@ async def open_host_network(
     takes over, with their policies: their netns and veths are kept (if they
     are still there), their rules rewritten in the same transaction that
     replaces the table, and `HostNetwork.adopt_slot` hands each out once.
+
+    `proxy_port` is where the node's egress proxy listens (every address):
+    slots whose policy names hosts have their TCP redirected there.
 
     Needs root, `ip` (iproute2) and `nft` (nftables). Leaves IPv4 forwarding on.
     """
@@ -684,7 +706,12 @@ async def open_host_network(
         log.warning("reaped stale network state: %s", ", ".join(removed))
     await trio.Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
     network = HostNetwork(
-        cidr=net, prefix=prefix, table=table, max_slots=max_slots, egress_cap=egress_cap
+        cidr=net,
+        prefix=prefix,
+        table=table,
+        max_slots=max_slots,
+        egress_cap=egress_cap,
+        proxy_port=proxy_port,
     )
     present = set(await _list_netns()) if adopt else set()
     kept = [network._slot(i) for i in sorted(adopt)]

@@ -1,0 +1,192 @@
+"""What the egress proxy adds to a sandbox's allowed HTTPS traffic, next to no proxy.
+
+Builds the real path without runsc, so the numbers are the proxy's and the
+network's, not gVisor's netstack: a small internet (`tests.egressnet`,
+namespace `aenvcib`, its resolver, HTTP and HTTPS servers), a `HostNetwork`
+(`aenv.runtimes.netns`, prefix `aenvcb`, slots in 10.232.200.0/24, the
+node's real nftables table with the proxy's port) and the node's
+`EgressProxy` in this process, asking the internet's resolver. Two slots:
+
+- **direct**: policy `allowOut: [<server address>], denyOut: [0.0.0.0/0]`
+  (an address rule: nftables only, no proxy);
+- **proxied**: policy `allowOut: [allowed.test], denyOut: [0.0.0.0/0]`
+  (a name rule: every TCP connection goes through the proxy, which reads the
+  SNI, checks the address against the resolver, cached, and splices).
+
+A client process runs in each slot's namespace (the sandbox's place) and,
+`--n` times, opens a new TCP+TLS connection to `allowed.test:443`, sends
+`GET /` and reads the answer; the time of each is one sample (p50/p95; the
+difference is the proxy's added latency). Then it downloads `--mib` MiB
+(`GET /bytes/N`, over TLS) `--repeat` times and reports the best MiB/s.
+Both slots alternate in the same run.
+
+    sudo .venv/bin/python bench/egress.py [--n 300] [--mib 100] [--repeat 3]
+
+Needs root, `ip` and `nft`. Leaves nothing behind (netns, veths, table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from aenv.node.egress import (  # noqa: E402
+    EgressProxy,
+    Resolver,
+    listener_port,
+    open_egress_listener,
+)
+from aenv.proto.netpolicy import EgressPolicy  # noqa: E402
+from aenv.runtimes.netns import open_host_network  # noqa: E402
+from tests.egressnet import DNS_IP, NAMES, SUBNET, open_internet  # noqa: E402
+
+SERVER_IP = NAMES["allowed.test"][0]
+
+CLIENT = r"""
+import json, socket, ssl, sys, time
+ip, ca, n, mib, repeat = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+ctx = ssl.create_default_context(cafile=ca)
+def one(path):
+    s = socket.create_connection((ip, 443))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t = ctx.wrap_socket(s, server_hostname="allowed.test")
+    t.sendall(f"GET {path} HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n".encode())
+    got = 0
+    buf = bytearray(1 << 20)
+    while True:
+        k = t.recv_into(buf)
+        if not k:
+            break
+        got += k
+    t.close()
+    return got
+for _ in range(5):
+    one("/")
+lat = []
+for _ in range(n):
+    t0 = time.perf_counter()
+    assert one("/") > 0
+    lat.append((time.perf_counter() - t0) * 1000)
+best = 0.0
+for _ in range(repeat):
+    t0 = time.perf_counter()
+    got = one(f"/bytes/{mib << 20}")
+    dt = time.perf_counter() - t0
+    assert got >= mib << 20, got
+    best = max(best, mib / dt)
+print(json.dumps({"lat_ms": lat, "mib_s": best}))
+"""
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+async def run_client(netns: str, ca: Path, n: int, mib: int, repeat: int) -> dict[str, object]:
+    argv = ["ip", "netns", "exec", netns, sys.executable, "-c", CLIENT]
+    argv += [SERVER_IP, str(ca), str(n), str(mib), str(repeat)]
+    proc = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.decode()[-2000:])
+    result: dict[str, object] = json.loads(proc.stdout)
+    return result
+
+
+async def bench(args: argparse.Namespace, ca: Path) -> dict[str, dict[str, float]]:
+    direct = EgressPolicy.from_request(
+        allow_internet_access=None,
+        network={"allowOut": [SERVER_IP], "denyOut": ["0.0.0.0/0"]},
+    )
+    named = EgressPolicy.from_request(
+        allow_internet_access=None,
+        network={"allowOut": ["allowed.test"], "denyOut": ["0.0.0.0/0"]},
+    )
+    results: dict[str, dict[str, list[float]]] = {
+        k: {"lat": [], "mib_s": []} for k in ("direct", "proxied")
+    }
+    async with (
+        await open_egress_listener() as listener,
+        open_host_network(
+            cidr="10.232.200.0/24",
+            prefix="aenvcb",
+            table="aenvcb",
+            max_slots=4,
+            egress_cap=[SUBNET],
+            proxy_port=listener_port(listener),
+        ) as network,
+        trio.open_nursery() as nursery,
+    ):
+        proxy = EgressProxy(policies=network, resolver=Resolver([DNS_IP]))
+        await nursery.start(proxy.serve, listener)
+        cpu = 0.0
+        async with network.open_slot(direct) as d, network.open_slot(named) as p:
+            for _ in range(args.rounds):
+                for key, slot in (("direct", d), ("proxied", p)):
+                    t0 = time.process_time()
+                    r = await run_client(
+                        slot.netns_name, ca, args.n // args.rounds, args.mib, args.repeat
+                    )
+                    if key == "proxied":
+                        cpu += time.process_time() - t0
+                    results[key]["lat"] += r["lat_ms"]  # type: ignore[arg-type]
+                    results[key]["mib_s"].append(float(r["mib_s"]))  # type: ignore[arg-type]
+        stats = proxy.statistics()
+        print("proxy:", stats, file=sys.stderr)
+        relayed = int(stats["bytes_in"]) + int(stats["bytes_out"])  # type: ignore[call-overload]
+        nursery.cancel_scope.cancel()
+    out = {
+        k: {
+            "p50_ms": statistics.median(v["lat"]),
+            "p95_ms": pct(v["lat"], 95),
+            "mib_s": max(v["mib_s"]),
+            "n": len(v["lat"]),
+        }
+        for k, v in results.items()
+    }
+    # the proxy runs in this process: its CPU time while the proxied client ran
+    out["proxied"]["cpu_ms_per_100mib"] = cpu * 1000 / (relayed / (100 << 20))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--n", type=int, default=300, help="latency samples per path")
+    parser.add_argument("--rounds", type=int, default=10, help="alternations of the two paths")
+    parser.add_argument("--mib", type=int, default=100, help="download size (MiB)")
+    parser.add_argument("--repeat", type=int, default=1, help="downloads per round (best kept)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("needs root (network namespaces, nftables)")
+    with (
+        tempfile.TemporaryDirectory(prefix="aenv-bench-egress-") as tmp,
+        open_internet(Path(tmp), prefix="aenvcib") as net,
+    ):
+        out = trio.run(bench, args, net.ca_pem)
+    d, p = out["direct"], out["proxied"]
+    print(f"{'path':10} {'p50 ms':>8} {'p95 ms':>8} {'MiB/s':>8}")
+    for k, v in out.items():
+        print(f"{k:10} {v['p50_ms']:8.2f} {v['p95_ms']:8.2f} {v['mib_s']:8.0f}")
+    print(
+        f"added by the proxy: p50 {p['p50_ms'] - d['p50_ms']:+.2f} ms, "
+        f"p95 {p['p95_ms'] - d['p95_ms']:+.2f} ms; throughput {p['mib_s'] / d['mib_s']:.2f}x direct; "
+        f"proxy CPU {p['cpu_ms_per_100mib']:.0f} ms per 100 MiB relayed"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""Host-name egress rules on real gVisor sandboxes, driven through the e2b SDK.
+
+Rules: the "internet" is `tests.egressnet` (namespace `aenvci`, TEST-NET-3
+addresses, its own resolver, HTTP and HTTPS servers with a test CA); this
+file's node admits only that range (`AENV_EGRESS_CAP`) and checks names
+against that resolver (`AENV_EGRESS_DNS`), so nothing leaves the machine.
+Inside the sandbox curl pins names to addresses with `--resolve` (the
+sandbox's own DNS is not what is tested, except in `test_dns_servers`),
+trusts the test CA with `--cacert`, and gives up after 5 s. A server answers
+`from <its address> host=<Host> sni=<SNI>`, so a test sees where a request
+really went.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox, Secret, SecretException
+
+from tests.conftest import (
+    NET_PREFIX,
+    SLOT_CIDR,
+    NodeProc,
+    built_home,
+    leaks,
+    link_home,
+    requires_node,
+    sdk_pointed_at,
+    start_node,
+    stop_node,
+)
+from tests.egressnet import DNS_IP, NAMES, SUBNET, Internet, open_internet
+
+pytestmark = [requires_node, pytest.mark.runsc]
+
+CA_IN_SANDBOX = "/tmp/test-ca.pem"
+NODE_ENV = {"AENV_EGRESS_CAP": SUBNET, "AENV_EGRESS_DNS": DNS_IP}
+# this file's nodes split the run's slot range: the module's node, the restarted one
+SLOTS = list(ipaddress.IPv4Network(SLOT_CIDR).subnets(prefixlen_diff=1))
+ONLY_THESE = {"allow_out": ["allowed.test", "*.cdn.test"], "deny_out": ["0.0.0.0/0"]}
+
+
+@pytest.fixture(scope="module")
+def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
+    with open_internet(tmp_path_factory.mktemp("internet"), prefix="aenvci") as net:
+        yield net
+
+
+@pytest.fixture(scope="module")
+def enode(internet: Internet) -> Iterator[NodeProc]:
+    home = built_home()
+    assert home is not None
+    private = Path(tempfile.mkdtemp(prefix="aenv-egress-node-"))
+    link_home(home, private)
+    try:
+        n = start_node(
+            private,
+            api_key="aenv_test_" + secrets.token_hex(8),
+            log_path=private / "node.log",
+            extra_env={**NODE_ENV, "AENV_SLOT_CIDR": str(SLOTS[0])},
+        )
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    try:
+        with sdk_pointed_at(n.url, n.api_key):
+            yield n
+    finally:
+        code = stop_node(n)
+        left = leaks(private)
+        assert code == 0, f"node exited with {code}:\n{n.log_tail()}"
+        assert not left, f"node left behind: {left}"
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def prepare(sbx: Sandbox, internet: Internet) -> Sandbox:
+    sbx.files.write(CA_IN_SANDBOX, internet.ca_pem.read_text())
+    return sbx
+
+
+def fetch(sbx: Sandbox, url: str, *, to: str | None = None, header: str | None = None) -> str:
+    """curl `url` in the sandbox; its name pinned to `to` (default: its real address)."""
+    host = url.split("/")[2]
+    name, _, port = host.partition(":")
+    port = port or ("443" if url.startswith("https") else "80")
+    args = ["curl", "-sS", "-m", "5", "--cacert", CA_IN_SANDBOX]
+    if name in NAMES:
+        args += ["--resolve", f"{name}:{port}:{to or NAMES[name][0]}"]
+    if header:
+        args += ["-H", f"'{header}'"]
+    r = sbx.commands.run(" ".join([*args, url, "2>&1 || echo fail:$?"]), timeout=30)
+    return r.stdout.strip()
+
+
+def cli_env(config: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+    env["XDG_CONFIG_HOME"] = str(config)
+    return env
+
+
+def allowed(out: str, ip: str) -> bool:
+    return out.startswith(f"from {ip} ")
+
+
+def egress_log(node: NodeProc, sandbox_id: str) -> list[dict[str, str]]:
+    r = httpx.get(f"{node.url}/v2/sandboxes/{sandbox_id}/logs", headers={"X-API-Key": node.api_key})
+    r.raise_for_status()
+    return [e["fields"] for e in r.json()["logs"] if e["fields"].get("kind") == "egress"]
+
+
+def test_only_named_hosts(enode: NodeProc, internet: Internet, tmp_path: Path) -> None:
+    s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
+    try:
+        out = fetch(s, "https://allowed.test/")
+        assert allowed(out, "203.0.113.161") and "sni=allowed.test" in out, out
+        assert allowed(fetch(s, "http://allowed.test/"), "203.0.113.161")
+        # wildcards: any depth below the suffix, never the suffix itself
+        assert allowed(fetch(s, "https://api.cdn.test/"), "203.0.113.161")
+        assert allowed(fetch(s, "https://deep.api.cdn.test/"), "203.0.113.161")
+        assert fetch(s, "https://cdn.test/").startswith(("fail:", "curl:"))
+        assert fetch(s, "https://other.test/").startswith(("fail:", "curl:"))
+        # a raw IP no CIDR allows, over TLS without a name and over HTTP
+        assert "fail:" in fetch(s, "http://203.0.113.163/")
+        assert "fail:" in fetch(s, "https://203.0.113.163/")
+        # an allowed name claimed to another address gets nowhere (SNI and Host)
+        assert "fail:" in fetch(s, "https://allowed.test/", to="203.0.113.162")
+        assert "fail:" in fetch(s, "http://203.0.113.162/", header="Host: allowed.test")
+        info = s.get_info().network or {}
+        assert info.get("allow_out") == ONLY_THESE["allow_out"]
+        log = egress_log(enode, s.sandbox_id)
+        verdicts = {(e["host"], e["ip"], e["verdict"]) for e in log}
+        assert ("allowed.test", "203.0.113.161", "allowed") in verdicts
+        assert ("other.test", "203.0.113.162", "denied") in verdicts
+        assert ("allowed.test", "203.0.113.162", "denied") in verdicts
+        assert ("", "203.0.113.163", "denied") in verdicts
+        assert any(int(e["bytesIn"]) > 0 for e in log if e["verdict"] == "allowed")
+        metrics = httpx.get(f"{enode.url}/metrics", headers={"X-API-Key": enode.api_key}).text
+        assert 'aenv_egress_connections_total{proto="tls",verdict="allowed"}' in metrics
+        cli = subprocess.run(
+            [sys.executable, "-m", "aenv", "logs", s.sandbox_id, "--egress", "--output", "table"],
+            env={**cli_env(tmp_path), "AENV_URL": enode.url, "AENV_API_KEY": enode.api_key},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0, cli.stderr
+        rows = cli.stdout.splitlines()
+        assert rows[0].split()[:4] == ["TIME", "VERDICT", "HOST", "ADDRESS"]
+        assert any("denied" in r and "other.test" in r for r in rows[1:])
+    finally:
+        s.kill()
+
+
+def test_deny_by_name_with_the_internet_open(enode: NodeProc, internet: Internet) -> None:
+    s = prepare(Sandbox.create("base", network={"deny_out": ["other.test"]}), internet)
+    try:
+        assert "fail:" in fetch(s, "https://other.test/")
+        assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+        assert allowed(fetch(s, "http://203.0.113.163/"), "203.0.113.163")  # addresses stay open
+    finally:
+        s.kill()
+
+
+def test_sandboxes_without_names_skip_the_proxy(enode: NodeProc, internet: Internet) -> None:
+    s = prepare(Sandbox.create("base"), internet)
+    try:
+        assert allowed(fetch(s, "https://allowed.test/", to="203.0.113.162"), "203.0.113.162")
+        assert egress_log(enode, s.sandbox_id) == []
+    finally:
+        s.kill()
+
+
+def test_dns_servers(enode: NodeProc, internet: Internet) -> None:
+    network = {**ONLY_THESE, "dns_servers": [DNS_IP]}
+    s = prepare(Sandbox.create("base", network=network), internet)  # type: ignore[arg-type]
+    try:
+        s.commands.run(f"echo 'nameserver {DNS_IP}' > /etc/resolv.conf", user="root")
+        r = s.commands.run(
+            f"curl -sS -m 5 --cacert {CA_IN_SANDBOX} https://allowed.test/ 2>&1 || echo fail:$?",
+            timeout=30,
+        )
+        assert allowed(r.stdout.strip(), "203.0.113.161"), r.stdout
+        assert (s.get_info().network or {}).get("dns_servers") == [DNS_IP]
+        s.update_network(ONLY_THESE)  # type: ignore[arg-type]
+        r = s.commands.run("curl -sS -m 5 https://allowed.test/ 2>&1 || echo fail:$?", timeout=30)
+        assert "fail:" in r.stdout  # the resolver is closed again (the default is 8.8.8.8)
+    finally:
+        s.kill()
+
+
+def test_rules_change_at_runtime_and_survive_pause_and_fork(
+    enode: NodeProc, internet: Internet
+) -> None:
+    s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
+    forks: list[Sandbox] = []
+    try:
+        assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+        s.update_network({"allow_out": ["other.test"], "deny_out": ["0.0.0.0/0"]})
+        assert allowed(fetch(s, "https://other.test/"), "203.0.113.162")
+        assert "fail:" in fetch(s, "https://allowed.test/")
+        s.pause()
+        s = Sandbox.connect(s.sandbox_id)
+        assert allowed(fetch(s, "https://other.test/"), "203.0.113.162")
+        assert "fail:" in fetch(s, "https://allowed.test/")
+        assert (s.get_info().network or {}).get("allow_out") == ["other.test"]
+        (child,) = s.fork(count=1)
+        assert isinstance(child, Sandbox), child
+        forks.append(child)
+        assert allowed(fetch(child, "https://other.test/"), "203.0.113.162")
+        assert "fail:" in fetch(child, "https://allowed.test/")
+    finally:
+        for f in forks:
+            f.kill()
+        s.kill()
+
+
+@pytest.mark.parametrize(
+    "network",
+    [ONLY_THESE, {"allow_out": ["allowed.test", "0.0.0.0/0"]}, {"deny_out": ["other.test"]}],
+)
+def test_host_stays_unreachable(
+    enode: NodeProc, internet: Internet, network: dict[str, list[str]]
+) -> None:
+    s = prepare(Sandbox.create("base", network=network), internet)  # type: ignore[arg-type]
+    try:
+        t0 = time.monotonic()
+        # the host's own address in the internet's subnet, its proxy port, its loopback
+        assert "fail:" in fetch(s, "http://203.0.113.174:1/")
+        assert "fail:" in fetch(s, "https://allowed.test/", to="203.0.113.174")
+        assert "fail:" in fetch(s, "http://127.0.0.1/")
+        assert time.monotonic() - t0 < 30
+    finally:
+        s.kill()
+
+
+def test_rules_survive_a_node_restart(internet: Internet, tmp_path: Path) -> None:
+    home = built_home()
+    assert home is not None
+    private = tmp_path / "home"
+    private.mkdir()
+    link_home(home, private)
+    prefix = NET_PREFIX + "r"
+    env = {
+        **NODE_ENV,
+        "AENV_SLOT_CIDR": str(SLOTS[1]),
+        "AENV_NET_PREFIX": prefix,
+        "AENV_ON_STOP": "keep",  # a crashed node's sandboxes run on
+    }
+    key = "aenv_test_" + secrets.token_hex(8)
+
+    def start() -> NodeProc:
+        return start_node(private, api_key=key, log_path=private / "node.log", extra_env=env)
+
+    n = start()
+    try:
+        with sdk_pointed_at(n.url, key):
+            s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
+            assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+        stop_node(n, signal.SIGKILL)
+        n = start()
+        with sdk_pointed_at(n.url, key):
+            s = Sandbox.connect(s.sandbox_id)
+            assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+            assert "fail:" in fetch(s, "https://other.test/")
+            assert (s.get_info().network or {}).get("allow_out") == ONLY_THESE["allow_out"]
+            s.kill()
+    finally:
+        env["AENV_ON_STOP"] = "stop"
+        code = stop_node(n)
+        left = leaks(private, prefix)
+        assert code == 0, n.log_tail()
+        assert not left, left
+
+
+def test_secrets_through_the_sdk(enode: NodeProc) -> None:
+    value = "sk-test-" + secrets.token_hex(16)
+    info = Secret.create("Egress-Test-Key", value, metadata={"owner": "tests"})
+    try:
+        assert info.name == "egress-test-key" and info.version == 1
+        assert Secret.get_info("egress-test-key").secret_id == info.secret_id
+        assert Secret.exists(info.secret_id)
+        updated = Secret.update(info.secret_id, value + "-2")
+        assert updated.version == 2 and updated.metadata == {"owner": "tests"}
+        listed = Secret.list().next_items()
+        assert [s.secret_id for s in listed if s.name == "egress-test-key"] == [info.secret_id]
+        with pytest.raises(SecretException):
+            Secret.create("egress-test-key", "again")
+        assert Secret.fill("egress-test-key") == "${e2b.secrets.egress-test-key}"
+        # the value is never returned, logged or stored in clear
+        headers = {"X-API-Key": enode.api_key}
+        for path in ("/secrets", f"/secrets/{info.secret_id}"):
+            assert value not in httpx.get(enode.url + path, headers=headers).text
+        assert value not in enode.log_path.read_text(errors="replace")
+        stored = b"".join(p.read_bytes() for p in (enode.home / "secrets" / "values").iterdir())
+        assert value.encode() not in stored
+    finally:
+        assert Secret.destroy(info.secret_id)
+    assert not Secret.exists(info.secret_id)
+    assert Secret.destroy(info.secret_id) is False
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_npm_sdk(enode: NodeProc, internet: Internet) -> None:
+    js = Path(__file__).resolve().parent.parent / "js"
+    if not (js / "node_modules" / "e2b").is_dir():
+        pytest.skip("npm e2b not installed (make test installs it)")
+    env = dict(
+        os.environ,
+        E2B_API_URL=enode.url,
+        E2B_SANDBOX_URL=enode.url,
+        E2B_API_KEY=enode.api_key,
+        EGRESS_CA=internet.ca_pem.read_text(),
+        EGRESS_ALLOWED_IP=NAMES["allowed.test"][0],
+        EGRESS_OTHER_IP=NAMES["other.test"][0],
+    )
+    r = subprocess.run(
+        ["node", "--test", "egress.test.mjs"],
+        cwd=js,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
