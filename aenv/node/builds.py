@@ -31,7 +31,6 @@ import shlex
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,14 +46,13 @@ from aenv.node.buildcache import FILE_STEPS, BuildCache, CachedStep, chain, fina
 from aenv.node.buildcopy import CopyError, copy_into
 from aenv.node.buildfiles import BuildFiles
 from aenv.node.buildtags import DEFAULT_TAG, TagNotFound, TagStore
-from aenv.node.envd_client import EnvdClient
+from aenv.node.guest import MAX_LINE, run_in_sandbox
 from aenv.node.sandbox import SandboxActor
 from aenv.node.snapshots import Snapshots
 from aenv.proto import connect as cn
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.pb import DecodeError
 from aenv.proto.requests import NewSandbox
-from aenv.runtimes.base import ENVD_PORT
 from aenv.storage.layers import LayerStore
 from aenv.storage.templates import Template, TemplateNotFound, TemplateStore, new_template_id
 
@@ -66,7 +64,6 @@ READY_POLL_S = 0.5
 DEFAULT_READY_WAIT_S = 1.0
 SNAPSHOT_TIMEOUT_S = 600.0
 MAX_LOG_ENTRIES = 20_000
-MAX_LINE = 8192
 MAX_FINISHED_BUILDS = 200
 STEP_TYPES = frozenset({"RUN", "ENV", "WORKDIR", "USER", "COPY"})
 # E2B's default user: every E2B template has it, and the SDKs end a
@@ -167,79 +164,6 @@ class _State:
     env: dict[str, str]
     workdir: str
     user: str
-
-
-class _Lines:
-    """Splits a process's output into log lines (per stream, keeping partial lines)."""
-
-    def __init__(self, emit: Callable[[str, str], None]) -> None:
-        self.emit = emit
-        self.partial: dict[str, bytes] = {}
-
-    def feed(self, stream: str, data: bytes) -> None:
-        buf = self.partial.get(stream, b"") + data
-        *lines, rest = buf.split(b"\n")
-        for line in lines:
-            self.emit(stream, line.decode("utf-8", "replace").rstrip("\r"))
-        if len(rest) > MAX_LINE:
-            self.emit(stream, rest.decode("utf-8", "replace"))
-            rest = b""
-        self.partial[stream] = rest
-
-    def flush(self) -> None:
-        for stream, rest in self.partial.items():
-            if rest:
-                self.emit(stream, rest.decode("utf-8", "replace"))
-        self.partial.clear()
-
-
-async def run_in_sandbox(
-    actor: SandboxActor,
-    cmd: str,
-    *,
-    user: str,
-    envs: dict[str, str],
-    cwd: str | None,
-    on_output: Callable[[str, str], None] | None = None,
-    on_start: Callable[[int], None] | None = None,
-) -> tuple[int, str]:
-    """Run `/bin/sh -c cmd` through the sandbox's envd; (exit code, envd's status).
-
-    A process killed by a signal has exit code -1. Raises cn.ConnectError if
-    envd refuses to start it, and httpx errors if envd goes away.
-    """
-    client = actor.http
-    if client is None or actor.sandbox_ip is None:
-        raise RuntimeError(f"build sandbox {actor.sandbox_id} is not running")
-    # no idle connection may stay behind: a memory capture would hold it
-    envd = EnvdClient(
-        client,
-        f"http://{actor.sandbox_ip}:{ENVD_PORT}",
-        actor.envd_access_token,
-        user=user,
-        close_connections=True,
-    )
-    config: dict[str, Any] = {"cmd": "/bin/sh", "args": ["-c", cmd], "envs": envs}
-    if cwd is not None:
-        config["cwd"] = cwd
-    lines = _Lines(on_output or (lambda _s, _l: None))
-    async with await envd.start_process({"process": config, "stdin": False}) as stream:
-        async for event in stream:
-            if "start" in event and on_start is not None:
-                on_start(int(event["start"].get("pid", 0)))
-            elif "data" in event:
-                for name in ("stdout", "stderr", "pty"):
-                    data = event["data"].get(name)
-                    if data:
-                        lines.feed(name, data)
-            elif "end" in event:
-                lines.flush()
-                end = event["end"]
-                status = str(end.get("status", ""))
-                code = int(end.get("exit_code", 0)) if end.get("exited", False) else -1
-                return code, status
-    how = "ended" if stream.complete else "closed"
-    raise cn.ConnectError(cn.Code.UNKNOWN, f"envd {how} the stream without an exit status")
 
 
 class BuildHost(Protocol):

@@ -34,7 +34,13 @@ from aenv.config import Config
 from aenv.kit.retry import Backoff
 from aenv.kit.supervisor import ChildHandle, RestartPolicy, StopToken, Strategy, Supervisor
 from aenv.storage.objstore import ObjectStore, StoreError
-from aenv.storage.rootfs import build_lock, recipe, remove_leftover_builds, staging_dir
+from aenv.storage.rootfs import (
+    START_COMMANDS,
+    build_lock,
+    recipe,
+    remove_leftover_builds,
+    staging_dir,
+)
 from aenv.storage.snapstore import SnapshotUnavailable
 from aenv.storage.snapstore.defaults import (
     StoredRootfs,
@@ -211,6 +217,8 @@ class DefaultTemplates:
                             aliases=(template_id,),
                             cpu_count=found.cpu_count,
                             memory_mb=found.memory_mb,
+                            start_cmd=START_COMMANDS.get(template_id, (None, None))[0],
+                            ready_cmd=START_COMMANDS.get(template_id, (None, None))[1],
                         )
                     )
                 except TemplateConflict:

@@ -61,7 +61,7 @@ from aenv.kit.supervisor import (
     Supervisor,
     run_supervisor,
 )
-from aenv.node import forks, pressure
+from aenv.node import forks, guest, pressure
 from aenv.node.builds import Builds
 from aenv.node.defaults import DefaultTemplates
 from aenv.node.durable import Durable
@@ -84,7 +84,7 @@ from aenv.node.snapshots import (
     paused_copy_name,
     record_capture,
 )
-from aenv.node.warm import Warmer
+from aenv.node.warm import START_TIMEOUT_S, Warmer
 from aenv.proto import ids
 from aenv.proto import lifecycle as lc
 from aenv.proto.ids import InvalidName
@@ -641,6 +641,9 @@ class Node:
             template.memory_mb,
         )
         warm = await self.warmer.snapshot(template) if sized else None
+        if warm is None and sized and template.start_cmd is not None:
+            # a template that runs a server starts from its capture, made now
+            warm = await self.warmer.ready_snapshot(template)
         if warm is not None:  # the template as a snapshot: restore, do not boot
             pooled = self.pool.take(template)  # or take one restored already
             if pooled is not None:
@@ -657,7 +660,15 @@ class Node:
                 await self.snapshots.delete(str(warm["snapshotID"]))
         self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.effective_node_tag)
-        return await self._launch(SandboxActor(self, sandbox_id, template, req))
+        actor = await self._launch(SandboxActor(self, sandbox_id, template, req))
+        if template.start_cmd is not None:  # booted without its capture: start it here
+            try:
+                await guest.start_and_wait(actor, template, timeout_s=START_TIMEOUT_S)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await actor.stop()
+                raise
+        return actor
 
     def _check_capacity(self) -> None:
         if len(self._sandboxes) >= self.config.max_sandboxes:

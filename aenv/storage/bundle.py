@@ -35,6 +35,7 @@ __all__ = [
     "LOADER_NAME",
     "build_bundle",
     "envd_command",
+    "interp_server_path",
 ]
 
 BUNDLE_MOUNT = "/opt/aenv"
@@ -45,8 +46,9 @@ _FORMAT = 1
 # Root distributions envd imports; their requirements are followed.
 DEFAULT_DISTRIBUTIONS: tuple[str, ...] = ("trio", "hypercorn", "h2", "wsproto", "h11")
 
-# aenv subpackages envd may import (the layering forbids it anything else).
-_AENV_PARTS = ("__init__.py", "proto", "kit", "envd")
+# aenv subpackages envd may import (the layering forbids it anything else), and
+# `interp`, the code interpreter's server, run by the guest's own Python.
+_AENV_PARTS = ("__init__.py", "proto", "kit", "envd", "interp")
 
 _LOADER_NAMES = {
     "x86_64": "ld-linux-x86-64.so.2",
@@ -119,6 +121,13 @@ def envd_command(port: int = 49983) -> tuple[tuple[str, ...], dict[str, str]]:
     return argv, env
 
 
+def interp_server_path() -> str:
+    """Where the guest sees the code interpreter's server script (aenv.interp.server),
+    run as a script by the guest's own Python so that the bundle's packages never
+    shadow the guest's."""
+    return f"{BUNDLE_MOUNT}/{_SITE_DIR}/aenv/interp/server.py"
+
+
 def build_bundle(
     dest: Path,
     *,
@@ -176,7 +185,7 @@ def build_bundle(
         for dist in dists:
             say(f"copying {dist.metadata['Name']} {dist.version}")
             _copy_distribution(dist, site)
-        say("copying aenv (proto, kit, envd)")
+        say("copying aenv (proto, kit, envd, interp)")
         _copy_aenv(aenv_root, site / "aenv")
 
         say("precompiling bytecode")

@@ -4,7 +4,12 @@
 `debootstrap --variant=minbase` (bash, python3, curl, git, sudo, ...), with a
 passwordless-sudo user `user` (uid 1000) as E2B templates have, and without
 apt lists, docs, man pages or translations. `busybox` is a tiny test template
-made of Debian's static busybox alone: no libc, no bash. Both are built in a
+made of Debian's static busybox alone: no libc, no bash. `code-interpreter-v1`
+(the template the code-interpreter SDKs default to) is `base` plus Jupyter
+kernels (IPython, bash) and the data stack (`INTERP_PACKAGES`, installed with pip from
+PyPI in a chroot of a copy of `base`); its start command runs aenv's code-execution
+server (aenv.interp.server, from the envd bundle) on port 49999, so the node
+captures it with a warm kernel (aenv.node.warm). All are built in a
 hidden directory next to their destination and renamed into place, so a
 half-built root filesystem is never installed. Building needs root and (for
 `base`) the Debian mirror; `python -m aenv.storage.rootfs --home DIR` installs
@@ -26,6 +31,7 @@ import json
 import os
 import platform
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from aenv.storage.bundle import interp_server_path
 from aenv.storage.templates import TemplateNotFound, TemplateStore
 
 Progress = Callable[[str], None]
@@ -63,6 +70,19 @@ BASE_PACKAGES: tuple[str, ...] = (
     "unzip",
     "openssh-client",
 )
+# The code interpreter's additions to `base`: a Jupyter kernel and the data stack,
+# from PyPI (self-contained wheels: Debian's packages of them pull in compilers,
+# scipy, sympy and gdb, 1 GiB more).
+INTERP_PACKAGES: tuple[str, ...] = (
+    "ipykernel==6.29.5",
+    "jupyter_client==8.6.3",
+    "numpy==2.2.6",
+    "pandas==2.2.3",
+    "matplotlib==3.10.3",
+    "bash_kernel==0.10.0",
+)
+INTERP_TEMPLATE = "code-interpreter-v1"
+INTERP_PORT = 49999
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 SECURITY_MIRROR = "http://deb.debian.org/debian-security"
@@ -91,10 +111,27 @@ _STRIP = (
 )
 _BUILD_PREFIX = ".build-"
 _BUILD_LOCK = ".build.lock"
+_BUILD_CA = "tmp/.aenv-build-ca.pem"  # the host's CA certificates while pip runs
+_RECIPE_FILE = "recipe"  # in a template's directory: the recipe it was built by
 # Bumped whenever a builder below changes what it makes: nodes then stop taking
 # builds of the old recipe from the store (`recipe`).
 RECIPE_VERSION = 1
-RESOURCES = {"base": (2, 512), "busybox": (1, 256)}  # cpu_count, memory_mb
+RESOURCES = {  # cpu_count, memory_mb
+    "base": (2, 512),
+    "busybox": (1, 256),
+    INTERP_TEMPLATE: (2, 1024),
+}
+# Default templates rebuilt by `ensure_default_templates` when their recipe
+# changed (quick to build; `base` is kept: a debootstrap takes minutes).
+REBUILT_WHEN_CHANGED = frozenset({INTERP_TEMPLATE})
+# Start and ready commands of the default templates that run a server: the
+# node captures their sandboxes once it answers (aenv.node.warm).
+START_COMMANDS: dict[str, tuple[str, str]] = {
+    INTERP_TEMPLATE: (
+        f"exec /usr/bin/python3 {interp_server_path()} --port {INTERP_PORT}",
+        f"curl -sf -o /dev/null http://127.0.0.1:{INTERP_PORT}/health",
+    ),
+}
 
 
 def recipe(template_id: str) -> str:
@@ -102,8 +139,10 @@ def recipe(template_id: str) -> str:
     machine's architecture: a build in the store is taken only by nodes whose
     recipe is the same (`aenv.storage.snapstore.defaults`)."""
     what: dict[str, object] = {"version": RECIPE_VERSION, "template": template_id}
-    if template_id == "base":
+    if template_id in ("base", INTERP_TEMPLATE):
         what.update(suite=DEFAULT_SUITE, packages=sorted(BASE_PACKAGES), user=USER_NAME)
+    if template_id == INTERP_TEMPLATE:
+        what.update(interp=sorted(INTERP_PACKAGES), start=START_COMMANDS[template_id])
     digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
     arch = platform.machine().lower() or "unknown"
     return f"{arch}-{digest[:16]}"
@@ -180,11 +219,14 @@ def _write_network_files(root: Path) -> None:
     _write(root / "etc/resolv.conf", _host_resolv_conf())
 
 
-def _run_streamed(argv: Sequence[str], progress: Progress | None) -> None:
+def _run_streamed(
+    argv: Sequence[str], progress: Progress | None, *, env: dict[str, str] | None = None
+) -> None:
     """Run `argv`, passing each output line to `progress`; raise with the tail on failure."""
     tail: list[str] = []
     with subprocess.Popen(
         argv,
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -303,6 +345,56 @@ def build_debian_rootfs(
     _say(progress, f"built {dest}")
 
 
+def build_interp_rootfs(
+    dest: Path,
+    *,
+    base: Path,
+    packages: Sequence[str] = INTERP_PACKAGES,
+    progress: Progress | None = None,
+) -> None:
+    """The code interpreter's root filesystem into `dest` (which must not exist): a
+    copy of `base`'s root filesystem with `packages` installed by pip in a chroot
+    (into /usr/local, as `pip install` in a sandbox does). Needs root and PyPI
+    (or the index PIP_INDEX_URL names)."""
+    staging = _staging_next_to(dest)
+    try:
+        _say(progress, f"copying {base} into {staging}")
+        subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(staging)], check=True)
+        # pip runs with the host's resolver and CA certificates (a TLS-inspecting
+        # proxy's CA included); the sandbox's own resolv.conf is written back below
+        _write(staging / "etc/resolv.conf", Path("/etc/resolv.conf").read_text(encoding="utf-8"))
+        env = {**_CHROOT_ENV, "PATH": os.environ.get("PATH", _CHROOT_ENV["PATH"])}
+        if os.environ.get("PIP_INDEX_URL"):
+            env["PIP_INDEX_URL"] = os.environ["PIP_INDEX_URL"]
+        host_ca = Path(os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt")
+        if host_ca.is_file():
+            shutil.copyfile(host_ca, staging / _BUILD_CA)
+            env["PIP_CERT"] = f"/{_BUILD_CA}"
+        root = shlex.quote(str(staging))
+        install = " ".join(shlex.quote(p) for p in packages)
+        script = (
+            f"set -e; mount -t proc proc {root}/proc; "
+            f"chroot {root} python3 -m pip install -q --no-cache-dir --progress-bar off "
+            f"--root-user-action=ignore --disable-pip-version-check {install}; "
+            f"chroot {root} python3 -m bash_kernel.install --sys-prefix"
+        )
+        _say(progress, f"pip install {install}")
+        # a private mount namespace: the chroot's /proc vanishes with it
+        _run_streamed(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            progress,
+            env=env,
+        )
+        (staging / _BUILD_CA).unlink(missing_ok=True)
+        _write_network_files(staging)
+        _trim(staging)
+        os.rename(staging, dest)
+    except BaseException:
+        _remove_tree(staging)
+        raise
+    _say(progress, f"built {dest}")
+
+
 def build_busybox_rootfs(dest: Path, *, busybox: Path = Path("/bin/busybox")) -> None:
     """A root filesystem of one static busybox (Debian's busybox-static) and its applets."""
     staging = _staging_next_to(dest)
@@ -365,6 +457,14 @@ def build_lock(store: TemplateStore) -> Iterator[None]:
         os.close(fd)
 
 
+def _built_by(store: TemplateStore, template_id: str) -> str | None:
+    """The recipe an installed default template was built by, if recorded."""
+    try:
+        return (store.root / template_id / _RECIPE_FILE).read_text().strip()
+    except OSError:
+        return None
+
+
 def _has(store: TemplateStore, template_id: str) -> bool:
     try:
         return store.resolve(template_id).template_id == template_id
@@ -392,9 +492,11 @@ def ensure_default_templates(
     *,
     progress: Progress | None = None,
     with_base: bool = True,
+    with_interp: bool = True,
     fetch: Callable[[str, Path], Fetched | None] | None = None,
 ) -> None:
-    """Install the `busybox` test template and (unless told not to) `base`, if absent.
+    """Install the `busybox` test template and (unless told not to) `base` and
+    `code-interpreter-v1` (which needs `base`), if absent.
 
     With `fetch`, each absent template is first asked of it (the object
     store: `fetch(template_id, dest)` fills the new directory `dest`, or
@@ -408,10 +510,24 @@ def ensure_default_templates(
         ]
         if with_base:
             wanted.append(("base", lambda dest: build_debian_rootfs(dest, progress=progress)))
+            if with_interp:
+                wanted.append(
+                    (
+                        INTERP_TEMPLATE,
+                        lambda dest: build_interp_rootfs(
+                            dest, base=store.resolve("base").rootfs, progress=progress
+                        ),
+                    )
+                )
         for template_id, build in wanted:
             if _has(store, template_id):
-                _say(progress, f"template {template_id!r} present")
-                continue
+                if template_id not in REBUILT_WHEN_CHANGED or _built_by(
+                    store, template_id
+                ) == recipe(template_id):
+                    _say(progress, f"template {template_id!r} present")
+                    continue
+                _say(progress, f"template {template_id!r} is of an older recipe: rebuilding it")
+                store.delete(template_id)
             staging = staging_dir(store, template_id)
             try:
                 started = time.monotonic()
@@ -429,15 +545,20 @@ def ensure_default_templates(
                     _say(progress, f"building template {template_id!r}")
                     build(staging / "rootfs")
                     how = "built"
+                start_cmd, ready_cmd = START_COMMANDS.get(template_id, (None, None))
                 template = store.add(
                     template_id=template_id,
                     rootfs_dir=staging / "rootfs",
                     aliases=(template_id,),
                     cpu_count=cpu_count,
                     memory_mb=memory_mb,
+                    start_cmd=start_cmd,
+                    ready_cmd=ready_cmd,
                 )
                 if fetched is not None:
                     store.record_rootfs_index(template_id, fetched[2])
+                if template_id in REBUILT_WHEN_CHANGED:
+                    (store.root / template_id / _RECIPE_FILE).write_text(recipe(template_id) + "\n")
                 _say(
                     progress,
                     f"template {template_id!r} ready ({how}): {template.disk_size_mb} MiB "
@@ -486,11 +607,13 @@ def store_fetcher(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m aenv.storage.rootfs",
-        description="Install aenv's default templates (base, busybox) if missing.",
+        description="Install aenv's default templates (base, busybox, code-interpreter-v1) "
+        "if missing.",
     )
     parser.add_argument("--home", type=Path, required=True, help="aenv home ($AENV_HOME)")
+    parser.add_argument("--busybox-only", action="store_true", help="skip the Debian templates")
     parser.add_argument(
-        "--busybox-only", action="store_true", help="skip the Debian `base` template"
+        "--without-interp", action="store_true", help="skip the `code-interpreter-v1` template"
     )
     parser.add_argument(
         "--from-store",
@@ -509,7 +632,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     fetch = None
     if url and url.lower() not in ("none", "off"):
         fetch = store_fetcher(url, progress=progress)
-    ensure_default_templates(store, progress=progress, with_base=not args.busybox_only, fetch=fetch)
+    ensure_default_templates(
+        store,
+        progress=progress,
+        with_base=not args.busybox_only,
+        with_interp=not args.without_interp,
+        fetch=fetch,
+    )
     return 0
 
 

@@ -50,7 +50,7 @@ ROOTFS_DIR = "rootfs"
 METADATA_VERSION = 1
 # Version of the envd API reported for templates until envd states its own.
 # Templates installed by `aenv.storage.rootfs.ensure_default_templates`.
-DEFAULT_TEMPLATE_IDS = frozenset({"base", "busybox"})
+DEFAULT_TEMPLATE_IDS = frozenset({"base", "busybox", "code-interpreter-v1"})
 _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 _LOCK_FILE = ".lock"
 _STAGING_PREFIX = ".tmp-"

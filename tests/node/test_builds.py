@@ -16,7 +16,8 @@ from e2b import Template as SdkBuilder
 from e2b.api.client.models import TemplateBuildStartV2
 
 from aenv.api.builds import BadBuild, parse_build_start
-from aenv.node.builds import Step, _Lines
+from aenv.node.builds import Step
+from aenv.node.guest import Lines
 from aenv.storage.templates import TemplateConflict, TemplateStore
 
 
@@ -72,7 +73,7 @@ def test_bad_bodies_are_refused_with_a_reason(body: object, message: str) -> Non
 
 def test_output_is_split_into_lines_per_stream() -> None:
     got: list[tuple[str, str]] = []
-    lines = _Lines(lambda s, line: got.append((s, line)))
+    lines = Lines(lambda s, line: got.append((s, line)))
     lines.feed("stdout", b"one\ntw")
     lines.feed("stderr", b"err\r\n")
     lines.feed("stdout", b"o\nthree")

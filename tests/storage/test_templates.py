@@ -322,6 +322,33 @@ def test_ensure_default_templates_installs_busybox_once(
     assert not list(store.root.glob(".build-*"))
 
 
+@needs_root
+@needs_busybox
+def test_a_default_template_of_an_older_recipe_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Templates in REBUILT_WHEN_CHANGED (code-interpreter-v1; busybox stands in
+    for it here) record their recipe, and are built again when it changed."""
+    import aenv.storage.rootfs as rootfs
+
+    monkeypatch.setattr(rootfs, "REBUILT_WHEN_CHANGED", frozenset({"busybox"}))
+    store = TemplateStore(tmp_path / "templates")
+    ensure_default_templates(store, with_base=False)
+    first = store.resolve("busybox")
+    assert (store.root / "busybox" / "recipe").read_text().strip() == rootfs.recipe("busybox")
+    lines: list[str] = []
+    ensure_default_templates(store, progress=lines.append, with_base=False)
+    assert lines == ["template 'busybox' present"]
+
+    monkeypatch.setattr(rootfs, "RECIPE_VERSION", rootfs.RECIPE_VERSION + 1)
+    lines.clear()
+    ensure_default_templates(store, progress=lines.append, with_base=False)
+    assert "template 'busybox' is of an older recipe: rebuilding it" in lines
+    again = store.resolve("busybox")
+    assert again.build_id != first.build_id and (again.rootfs / "bin/busybox").is_file()
+    assert (store.root / "busybox" / "recipe").read_text().strip() == rootfs.recipe("busybox")
+
+
 @pytest.mark.slow
 @needs_root
 def test_debian_base_rootfs(tmp_path: Path) -> None:
