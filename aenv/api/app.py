@@ -25,6 +25,7 @@ from aenv.api import (
     sandboxes,
     snapshots,
     templates,
+    volumes,
 )
 from aenv.api.auth import api_key_refusal
 from aenv.api.common import Deps, error_response, install_deps, install_error_handlers
@@ -42,6 +43,7 @@ BLUEPRINTS = (
     images.bp,
     exec_ws.bp,  # the exec WebSocket (docs/exec-protocol.md)
     cluster.bp,  # members, each node's own sandboxes, the nodes' links
+    volumes.bp,  # volumes and their content API (docs/volumes.md)
 )
 
 
@@ -64,11 +66,13 @@ def create_app(
 
     @app.before_request
     async def _auth() -> Response | None:
+        if volumes.is_streamed_upload(request.method, request.path):
+            return None  # streamed to disk by the route, which checks the volume's token
         # Consume the (size-capped) body before any early answer: a keep-alive
         # connection whose request body was left unread stalls the next request.
         await request.get_data()
-        if request.path == "/health":
-            return None
+        if request.path == "/health" or volumes.is_content_route(request.path):
+            return None  # the content API takes a volume's token (the route checks it)
         refusal = api_key_refusal(
             request.headers.get("X-API-Key", ""), request.headers.get("Authorization", ""), key
         )

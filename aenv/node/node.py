@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -78,6 +79,7 @@ from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import Limits, NewSandbox
+from aenv.proto.volumes import VolumeMount
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
 from aenv.runtimes.hostclaim import claim_host
@@ -92,6 +94,7 @@ from aenv.storage.templates import (
     TemplateStore,
     new_template_id,
 )
+from aenv.storage.volumes import Volumes
 
 log = logging.getLogger("aenv.node")
 
@@ -193,6 +196,12 @@ class Node:
             templates=templates,
             images=images,
             services=services,
+        )
+        self.volumes = Volumes(  # volumes on this node's disk (aenv.storage.volumes)
+            config.home / "volumes",
+            node_tag=config.effective_node_tag,
+            users=self.volume_users,
+            store=self.durable.store,
         )
         self.defaults = DefaultTemplates(  # base and busybox via the store
             config=config, templates=templates, store=self.durable.store, services=services
@@ -534,8 +543,22 @@ class Node:
         """A snapshot's record: this node's, else one only the object store holds."""
         return await self.snapshots.resolve(name_or_id) or await self.durable.locate(name_or_id)
 
+    def volume_users(self, volume_id: str) -> builtins.list[str]:
+        """The sandboxes (paused ones too) that mount volume `volume_id`."""
+        return [
+            a.sandbox_id
+            for a in self._sandboxes.values()
+            if any(m.volume_id == volume_id for m in a.volume_mounts)
+        ]
+
+    async def _with_volumes(self, req: NewSandbox) -> NewSandbox:
+        if not req.volume_mounts:
+            return req
+        return dataclasses.replace(req, volume_mounts=await self.volumes.resolve(req.volume_mounts))
+
     async def create(self, req: NewSandbox) -> SandboxActor:
         template = await self.resolve_template(req.template)
+        req = await self._with_volumes(req)
         if template.snapshot_id is not None:  # a built template: restore its snapshot
             doc = await self.find_snapshot(template.snapshot_id)
             if doc is None:
@@ -547,7 +570,8 @@ class Node:
         )
         warm = await self.warmer.snapshot(template) if sized else None
         if warm is not None:  # the template as a snapshot: restore, do not boot
-            pooled = self.pool.take(template)  # or take one restored already
+            # (a pooled sandbox runs already: it cannot gain mounts)
+            pooled = None if req.volume_mounts else self.pool.take(template)
             if pooled is not None:
                 try:
                     return await pooled.adopt(req)
@@ -657,6 +681,8 @@ class Node:
             "cpuCount": source.cpu_count,
             "memoryMB": source.memory_mb,
             "envdToken": source.envd_access_token,
+            # what its memory image has mounted: a restore mounts them again
+            "volumeMounts": [m.to_doc() for m in source.volume_mounts],
         }
         return await self.services.run(
             f"snapshot {source.sandbox_id} #{next(self._jobs)}",
@@ -688,6 +714,10 @@ class Node:
             self._verified.add(snapshot_id)
         layers = doc.get("layers") or []
         stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
+        if doc.get("volumeMounts") and not req.volume_mounts:
+            mounts = tuple(VolumeMount.from_doc(m) for m in doc["volumeMounts"])
+            req = dataclasses.replace(req, volume_mounts=mounts)
+        req = await self._with_volumes(req)
         self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.effective_node_tag)
         return SandboxActor.from_snapshot(
@@ -1009,6 +1039,7 @@ async def open_node_on(
         await node.layers.gc(await node.snapshots.layer_ids() | await node.journaled_layer_ids())
         images.attach_store(node.durable.store)  # image layers shared via the store
         await node.durable.serve_lazy_layers()  # before anything mounts them
+        await node.volumes.load()  # before the sandboxes that mount them
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
         await node.defaults.start()  # default templates shared, or fetched if missing
@@ -1026,6 +1057,7 @@ async def open_node_on(
                 await services.aclose("the node is stopping")
             await services.aclose("the node is stopping", grace_s=0.0)  # what is left
             await sandboxes.aclose("the node is stopping")
+            await node.volumes.close()  # no sandbox runs on: nothing holds them
         finally:
             nursery.cancel_scope.cancel()
 

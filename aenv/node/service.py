@@ -64,6 +64,7 @@ from aenv.runtimes.gvisor import GVisorError
 from aenv.runtimes.netns import NetworkSetupError
 from aenv.storage.overlay import OverlayError
 from aenv.storage.templates import TemplateNotFound
+from aenv.storage.volumes import VolumeError
 
 log = logging.getLogger("aenv.service")
 
@@ -393,7 +394,7 @@ class LocalSandboxService:
             raise NotFound(f"template {req.template!r} not found") from None
         except TemplateFetching as e:
             raise Unavailable(str(e), retry_after=e.retry_after) from None
-        except InvalidName as e:
+        except (InvalidName, VolumeError) as e:
             raise BadRequest(str(e)) from None
         except PullError as e:
             raise pull_error(e) from None
