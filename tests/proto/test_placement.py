@@ -16,7 +16,14 @@ import random
 
 import pytest
 
-from aenv.proto.placement import PENDING_S, NodeLoad, Pending, rank, share_host
+from aenv.proto.placement import (
+    PENDING_S,
+    NodeLoad,
+    Pending,
+    rank,
+    share_host,
+    volume_holders,
+)
 
 GiB = 2**30
 
@@ -147,3 +154,14 @@ def _burst(seed: int) -> collections.Counter[str]:
 def test_a_burst_from_one_node_spreads_evenly_over_one_machine(seed: int) -> None:
     placed = _burst(seed)
     assert all(8 <= placed[n] <= 12 for n in "abc"), placed  # the mean +/- 20 %
+
+
+def test_volumes_are_gossiped_and_their_holders_found() -> None:
+    a = _node("a", volumes=frozenset({"v1", "data"}))
+    b = _node("b", volumes=frozenset({"data"}))
+    again = NodeLoad.from_json("a", a.to_json())
+    assert again.volumes == a.volumes
+    assert NodeLoad.from_json("x", {"volumes": "data"}).volumes == frozenset()
+    assert [n.node for n in volume_holders([a, b], ["data"])] == ["a", "b"]
+    assert [n.node for n in volume_holders([a, b], ["data", "v1"])] == ["a"]
+    assert volume_holders([a, b], []) == []
