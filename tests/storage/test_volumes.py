@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import trio
 
 from aenv.proto.volumes import VolumeMount, VolumeRequestError, content_path, parse_mounts
 from aenv.storage.objstore import open_object_store
@@ -126,3 +128,40 @@ async def test_records_survive_and_errors_are_clear(tmp_path: Path) -> None:
         vols = again
     finally:
         await vols.delete(rec.volume_id)
+
+
+@needs_root
+async def test_a_volume_pinned_elsewhere_is_mounted_again_from_its_loop_device(
+    tmp_path: Path,
+) -> None:
+    """A mount namespace made while a volume was mounted (any runsc sandbox's)
+    keeps its file system alive after the node unmounts it: the next mount
+    must use that same loop device, never a second ext4 over one image."""
+    vols = Volumes(tmp_path / "v")
+    await vols.load()
+    rec = await vols.create("pinned", 16)
+    image = str(tmp_path / "v" / rec.volume_id / "image.ext4")
+
+    async def devices() -> list[str]:
+        out = await trio.run_process(
+            ["losetup", "--list", "--associated", image, "--output", "NAME", "--noheadings"],
+            capture_stdout=True,
+        )
+        return out.stdout.decode().split()
+
+    pin = await trio.lowlevel.open_process(
+        ["unshare", "--mount", "sh", "-c", "echo ready; exec sleep 60"], stdout=subprocess.PIPE
+    )
+    try:
+        assert pin.stdout is not None
+        assert await pin.stdout.receive_some(16) == b"ready\n"  # its copy of the mount is made
+        (before,) = await devices()
+        await vols.close()
+        again = Volumes(tmp_path / "v")
+        await again.load()
+        assert await devices() == [before]
+        await again.write_file(rec.volume_id, "f", _body(b"x"), owner=Owner(), force=False)
+        await again.delete(rec.volume_id)
+    finally:
+        pin.kill()
+        await pin.wait()
