@@ -879,6 +879,13 @@ class Node:
         so it survives the restart like any other paused sandbox."""
         await self._hibernate([a for a in self._sandboxes.values() if a.frozen_pause], within_s)
 
+    async def persist_volumes(self, _stop: StopToken) -> None:
+        """Copy volumes that changed or are mounted to the object store, every
+        `volume_persist_s` (only the chunks the store lacks go up)."""
+        while True:
+            await trio.sleep(self.config.volume_persist_s)
+            await self.volumes.persist_due()
+
     async def watch_memory(self, stop: StopToken) -> None:
         """Hibernate sandboxes paused in memory while the host runs short of it
         (`aenv.node.pressure`), until stopped."""
@@ -1043,6 +1050,14 @@ async def open_node_on(
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
         await node.defaults.start()  # default templates shared, or fetched if missing
+        if config.volume_persist_s > 0:
+            services.start_soon(
+                "volume-persister",
+                node.persist_volumes,
+                policy=WATCHER_RESTARTS,
+                give_up=Strategy.FAIL,
+                grace_s=1.0,
+            )
         if config.hibernate_memory_low_pct > 0:
             services.start_soon(
                 "memory-pressure",
@@ -1057,6 +1072,8 @@ async def open_node_on(
                 await services.aclose("the node is stopping")
             await services.aclose("the node is stopping", grace_s=0.0)  # what is left
             await sandboxes.aclose("the node is stopping")
+            with trio.move_on_after(SERVICES_STOP_S):
+                await node.volumes.persist_due()  # what changed since the last copy
             await node.volumes.close()  # no sandbox runs on: nothing holds them
         finally:
             nursery.cancel_scope.cancel()

@@ -41,11 +41,11 @@ import trio
 from aenv.kit.files import write_atomic
 from aenv.proto import ids
 from aenv.proto import volumes as pv
-from aenv.proto.layerindex import dumps
+from aenv.proto.layerindex import CHUNK_SIZE, Chunk, Entry, Kind, LayerIndex, dumps
 from aenv.storage.objstore import ObjectNotFound, ObjectStore, content_digest
 from aenv.storage.snapstore.manifest import VOLUME_PREFIX, StoredLayer
 from aenv.storage.snapstore.restore import materialise_layer
-from aenv.storage.snapstore.trees import index_layer, read_piece
+from aenv.storage.snapstore.trees import LAYER_MEDIA_TYPE
 
 log = logging.getLogger("aenv.volumes")
 
@@ -134,6 +134,11 @@ class Volumes:
         self._records: dict[str, VolumeRecord] = {}
         self._lock = trio.Lock()  # creates, deletes, mounts, fetches
         self._io = trio.CapacityLimiter(4)
+        # changed (content API) or mounted since their last copy in the store
+        self._dirty: set[str] = set()
+        # per volume: path -> (inode, size, mtime, ctime) and the chunks it hashed to
+        self._chunks: dict[str, dict[str, tuple[tuple[int, ...], tuple[Chunk, ...]]]] = {}
+        self._persisting: dict[str, trio.Lock] = {}
 
     # -- records -------------------------------------------------------------
 
@@ -242,6 +247,7 @@ class Volumes:
             if volume_id not in self._records:
                 raise VolumeNotFound(f"volume {volume_id!r} not found")
             await self._ensure_mounted(volume_id)
+        self._dirty.add(volume_id)  # a sandbox may write to it from now on
         return self.mountpoint(volume_id)
 
     async def resolve(self, mounts: tuple[pv.VolumeMount, ...]) -> tuple[pv.VolumeMount, ...]:
@@ -317,13 +323,19 @@ class Volumes:
     async def make_dir(
         self, volume_id: str, rel: str, *, owner: Owner, force: bool
     ) -> dict[str, Any]:
-        return await self._call(_make_dir, self._root(volume_id), rel, owner, force)
+        root = self._root(volume_id)
+        self._dirty.add(volume_id)
+        return await self._call(_make_dir, root, rel, owner, force)
 
     async def remove(self, volume_id: str, rel: str) -> None:
-        await self._call(_remove, self._root(volume_id), rel)
+        root = self._root(volume_id)
+        self._dirty.add(volume_id)
+        await self._call(_remove, root, rel)
 
     async def update(self, volume_id: str, rel: str, owner: Owner) -> dict[str, Any]:
-        return await self._call(_update, self._root(volume_id), rel, owner)
+        root = self._root(volume_id)
+        self._dirty.add(volume_id)
+        return await self._call(_update, root, rel, owner)
 
     async def write_file(
         self,
@@ -336,6 +348,7 @@ class Volumes:
     ) -> dict[str, Any]:
         """Write the file at `rel` from `body` (replacing it), `IO_CHUNK` at a time."""
         root = self._root(volume_id)
+        self._dirty.add(volume_id)
         fd = await self._call(_open_for_write, root, rel, owner, force)
         try:
             buf = bytearray()
@@ -374,43 +387,75 @@ class Volumes:
 
     # -- the object store ------------------------------------------------------
 
+    def to_persist(self) -> list[str]:
+        """Volumes to copy to the store: changed or mounted since their last copy,
+        or mounted now (a sandbox may be writing to them)."""
+        return sorted(v for v in self._records if v in self._dirty or self.users(v))
+
+    async def persist_due(self) -> None:
+        """Copy every volume `to_persist` names (the node's persister calls this)."""
+        for volume_id in self.to_persist():
+            try:
+                await self.persist(volume_id)
+            except VolumeNotFound:
+                pass  # deleted meanwhile
+            except Exception:
+                log.exception("persisting volume %s failed (retried next round)", volume_id)
+
     async def persist(self, volume_id: str) -> dict[str, Any]:
-        """Copy the volume's tree to the object store (only chunks it lacks); its manifest."""
+        """Copy the volume's tree to the object store (only chunks it lacks); its manifest.
+
+        The tree is walked with directory fds, nothing followed (a sandbox may
+        swap a directory for a symlink meanwhile), and a file whose inode,
+        size and times did not change since the last walk is not hashed again.
+        Each piece is checked against its digest as it is read: one changed
+        since the walk is left for the next copy.
+        """
         if self.store is None:
             raise VolumeError("this node has no object store")
         store = self.store
-        rec = self.get(volume_id)
-        root = self.mountpoint(volume_id)
-        index = await self._call(index_layer, root)
-        raw = dumps(index)
-        digest = content_digest(raw)
-        paths: dict[str, tuple[Path, int, int]] = {}
-        for e in index.entries:
-            for c in e.chunks:
-                paths.setdefault(c.digest, (root / e.path, c.offset, c.size))
-        sem = trio.Semaphore(8)
-        uploaded = 0
+        lock = self._persisting.setdefault(volume_id, trio.Lock())
+        async with lock:
+            rec = self.get(volume_id)
+            self._dirty.discard(volume_id)  # writes from now on: the next copy
+            root = self.mountpoint(volume_id)
+            cache = self._chunks.setdefault(volume_id, {})
+            index = await self._call(_index_tree, root, cache)
+            raw = dumps(index)
+            digest = content_digest(raw)
+            pieces: dict[str, tuple[str, int, int]] = {}
+            for e in index.entries:
+                for c in e.chunks:
+                    pieces.setdefault(c.digest, (e.path, c.offset, c.size))
+            sem = trio.Semaphore(8)
+            uploaded = 0
 
-        async def one(digest: str, where: tuple[Path, int, int]) -> None:
-            nonlocal uploaded
-            async with sem:
-                if await store.blob_info(digest) is not None:
-                    return
-                data = await self._call(read_piece, *where)
-                if content_digest(data) != digest:  # changed since indexed: next persist
-                    return
-                await store.put_blob(data, digest=digest)
-                uploaded += len(data)
+            async def one(digest: str, where: tuple[str, int, int]) -> None:
+                nonlocal uploaded
+                async with sem:
+                    if await store.blob_info(digest) is not None:
+                        return
+                    data = await self._call(_read_piece, root, *where)
+                    if data is None or content_digest(data) != digest:
+                        self._dirty.add(volume_id)  # changed since the walk
+                        return
+                    await store.put_blob(data, digest=digest)
+                    uploaded += len(data)
 
-        async with trio.open_nursery() as n:
-            for d, where in paths.items():
-                n.start_soon(one, d, where)
-        if await store.blob_info(digest) is None:
-            await store.put_blob(raw, digest=digest)
-        doc = {**rec.to_doc(), "index": digest, "persistedAt": time.time()}
-        await store.put(STORE_PREFIX + volume_id + ".json", json.dumps(doc).encode())
-        log.info("volume %s persisted: %d new bytes", volume_id, uploaded)
-        return {**doc, "uploadedBytes": uploaded, "contentBytes": index.content_bytes}
+            try:
+                async with trio.open_nursery() as n:
+                    for d, where in pieces.items():
+                        n.start_soon(one, d, where)
+                if await store.blob_info(digest) is None:
+                    await store.put_blob(raw, digest=digest)
+                doc = {**rec.to_doc(), "index": digest, "persistedAt": time.time()}
+                await store.put(STORE_PREFIX + volume_id + ".json", json.dumps(doc).encode())
+            except BaseException:
+                self._dirty.add(volume_id)
+                raise
+            if uploaded:
+                log.info("volume %s copied to the store: %d new bytes", volume_id, uploaded)
+            return {**doc, "uploadedBytes": uploaded, "contentBytes": index.content_bytes}
 
     async def fetch(self, id_or_name: str) -> VolumeRecord | None:
         """A volume the object store holds and this node does not: made local (None if none)."""
@@ -535,6 +580,125 @@ def _parent(root: Path, rel: str, *, create: Owner | None = None) -> Iterator[tu
             os.close(fd)
             fd = nfd
         yield fd, parts[-1] if parts else "."
+    finally:
+        os.close(fd)
+
+
+def _fd_xattrs(fd: int) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listxattr(fd):
+            with contextlib.suppress(OSError):
+                out[name] = os.getxattr(fd, name)
+    return out
+
+
+def _hash_chunks(fd: int) -> tuple[Chunk, ...]:
+    chunks: list[Chunk] = []
+    offset = 0
+    while block := os.pread(fd, CHUNK_SIZE, offset):
+        chunks.append(Chunk(content_digest(block), len(block), offset))
+        offset += len(block)
+    return tuple(chunks)
+
+
+def _index_tree(
+    root: Path, cache: dict[str, tuple[tuple[int, ...], tuple[Chunk, ...]]]
+) -> LayerIndex:
+    """A volume's tree as one layer index (`aenv.proto.layerindex`), walked by
+    directory fds without following anything; files unchanged since `cache`
+    was filled keep their chunks (the cache is updated in place)."""
+    entries: list[Entry] = []
+    seen: dict[int, str] = {}
+    fresh: dict[str, tuple[tuple[int, ...], tuple[Chunk, ...]]] = {}
+
+    def node(path: str, kind: Kind, s: os.stat_result, **kw: Any) -> Entry:
+        return Entry(
+            path=path,
+            kind=kind,
+            mode=stat.S_IMODE(s.st_mode),
+            uid=s.st_uid,
+            gid=s.st_gid,
+            mtime_ns=s.st_mtime_ns,
+            **kw,
+        )
+
+    def walk(fd: int, rel: str) -> None:
+        for name in sorted(os.listdir(fd)):
+            p = f"{rel}/{name}" if rel else name
+            try:
+                s = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(s.st_mode):
+                    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    try:
+                        entries.append(node(p, Kind.DIR, os.fstat(sub), xattrs=_fd_xattrs(sub)))
+                        walk(sub, p)
+                    finally:
+                        os.close(sub)
+                elif stat.S_ISREG(s.st_mode):
+                    if s.st_nlink > 1 and s.st_ino in seen:
+                        entries.append(Entry(path=p, kind=Kind.HARDLINK, link=seen[s.st_ino]))
+                        continue
+                    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+                    ffd = os.open(name, flags, dir_fd=fd)
+                    try:
+                        f = os.fstat(ffd)
+                        if not stat.S_ISREG(f.st_mode):
+                            continue
+                        key = (f.st_ino, f.st_size, f.st_mtime_ns, f.st_ctime_ns)
+                        hit = cache.get(p)
+                        chunks = hit[1] if hit is not None and hit[0] == key else _hash_chunks(ffd)
+                        fresh[p] = (key, chunks)
+                        seen[f.st_ino] = p
+                        entries.append(
+                            node(
+                                p,
+                                Kind.FILE,
+                                f,
+                                size=f.st_size,
+                                chunks=chunks,
+                                xattrs=_fd_xattrs(ffd),
+                            )
+                        )
+                    finally:
+                        os.close(ffd)
+                elif stat.S_ISLNK(s.st_mode):
+                    entries.append(node(p, Kind.SYMLINK, s, link=os.readlink(name, dir_fd=fd)))
+                elif stat.S_ISFIFO(s.st_mode):
+                    entries.append(node(p, Kind.FIFO, s))
+                # sockets and devices are left out: nothing restores them
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # gone or swapped meanwhile: the next copy has it
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    continue
+                raise
+
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        entries.append(node("", Kind.DIR, os.fstat(fd), xattrs=_fd_xattrs(fd)))
+        walk(fd, "")
+    finally:
+        os.close(fd)
+    cache.clear()
+    cache.update(fresh)
+    return LayerIndex(
+        digest="", diff_id="", media_type=LAYER_MEDIA_TYPE, size=0, entries=tuple(entries)
+    )
+
+
+def _read_piece(root: Path, rel: str, offset: int, size: int) -> bytes | None:
+    """`size` bytes at `offset` of the regular file at `rel` (None if it is not one now)."""
+    try:
+        with _parent(root, rel) as (pfd, name):
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, dir_fd=pfd)
+    except (OSError, VolumeError):
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.pread(fd, size, offset)
     finally:
         os.close(fd)
 

@@ -138,6 +138,7 @@ def test_mounted_read_write_for_the_user_and_shared(vol: Volume) -> None:
         sandbox(volume_mounts={"/mnt/data": vol}) as a,
         sandbox(volume_mounts={"/mnt/data": vol.name}) as b,
     ):
+        assert a.get_info().volume_mounts == [{"name": vol.name, "path": "/mnt/data"}]
         # files the content API writes are there, in running sandboxes too
         assert a.files.read("/mnt/data/from-api.txt") == "written through the API"
         r = a.commands.run("echo from-a > /mnt/data/a.txt && id -un && stat -c %U /mnt/data/a.txt")

@@ -72,10 +72,16 @@ async def test_persist_is_incremental_and_fetch_moves_a_volume(tmp_path: Path) -
         await here.make_dir(vid, "d/e", owner=Owner(mode=0o750), force=True)
         await here.write_file(vid, "d/e/big", _body(big), owner=Owner(), force=False)
         await here.write_file(vid, "small", _body(b"one"), owner=Owner(uid=0), force=False)
+        # what a sandbox may plant: links out of the volume are kept as links
+        os.symlink("/etc", here.mountpoint(vid) / "etc-link")
+        os.symlink("/etc/hostname", here.mountpoint(vid) / "d/host-link")
+        assert here.to_persist() == [vid]  # written since created
         first = await here.persist(vid)
         assert first["uploadedBytes"] >= len(big)
+        assert here.to_persist() == []
         # only what changed goes up again
         await here.write_file(vid, "small", _body(b"two"), owner=Owner(uid=0), force=False)
+        assert here.to_persist() == [vid]
         second = await here.persist(vid)
         assert 0 < second["uploadedBytes"] < 1024
 
@@ -88,6 +94,9 @@ async def test_persist_is_incremental_and_fetch_moves_a_volume(tmp_path: Path) -
             assert (st["mode"], st["uid"]) == (0o750, 1000)
             assert (await there.stat(vid, "small"))["uid"] == 0
             assert (await there.stat(vid, ""))["uid"] == 1000
+            link = await there.stat(vid, "etc-link")
+            assert (link["type"], link["target"]) == ("symlink", "/etc")
+            assert (await there.stat(vid, "d/host-link"))["type"] == "symlink"
         finally:
             await there.delete(vid)
     finally:
