@@ -66,9 +66,27 @@ async def volume_create() -> Response:
     return json_response(_and_token(rec), 201)
 
 
+def _own_list() -> list[dict[str, object]]:
+    return [pv.volume_view(r.volume_id, r.name) for r in _volumes().all()]
+
+
+@bp.get("/cluster/v1/volumes")
+async def own_volume_list() -> Response:
+    """This node's own volumes, for a peer's cluster-wide list."""
+    return json_response(_own_list())
+
+
 @bp.get("/volumes")
 async def volume_list() -> Response:
-    return json_response([pv.volume_view(r.volume_id, r.name) for r in _volumes().all()])
+    out = _own_list()
+    member = deps().cluster
+    if member is not None:  # and every other node's, once each
+        seen = {v["volumeID"] for v in out}
+        for v in await member.gather("/cluster/v1/volumes"):
+            if isinstance(v, dict) and v.get("volumeID") not in seen:
+                seen.add(v.get("volumeID"))
+                out.append(v)
+    return json_response(out)
 
 
 @bp.get("/volumes/<volume_id>")

@@ -158,6 +158,14 @@ class Cluster:
         own = self.ownership
         return own is None or not own.may_serve() or own.grant(sandbox_id) is not None
 
+    def volume_holder(self, volume: str) -> Peer | None:
+        if self.node.volumes.find(volume) is not None:
+            return None
+        for m in self._members():
+            if m.id != self.node_id and m.state == "alive" and volume in m.load.volumes:
+                return m.as_peer()
+        return None
+
     def not_serving(self) -> str | None:
         own = self.ownership
         if own is None or own.may_serve():

@@ -183,3 +183,17 @@ def parse_mode(value: str | None, what: str = "mode") -> int | None:
 
 def parse_flag(value: str | None) -> bool:
     return value is not None and value.lower() in ("1", "true", "yes")
+
+
+def volume_of_route(method: str, path: str) -> str | None:
+    """The volume (ID or name) a request is about, for a cluster to send it to
+    the node that holds it: `/volumecontent/{id}/...`, `GET`/`DELETE /volumes/{id}`
+    and `/volumes/{id}/persist`. None for anything else (a create, the list)."""
+    parts = path.split("/")
+    if len(parts) >= 4 and parts[1] == "volumecontent" and parts[2]:
+        return parts[2]
+    if len(parts) == 3 and parts[1] == "volumes" and parts[2] and method in ("GET", "DELETE"):
+        return parts[2]
+    if len(parts) == 4 and parts[1] == "volumes" and parts[2] and parts[3] == "persist":
+        return parts[2]
+    return None
