@@ -56,6 +56,7 @@ T = TypeVar("T")
 DEFAULT_UID = 1000
 DEFAULT_GID = 1000
 IO_CHUNK = 1024 * 1024
+_MOUNT_TRIES = 5
 STORE_PREFIX = VOLUME_PREFIX + "/"
 
 
@@ -284,18 +285,27 @@ class Volumes:
         d = self._dir(volume_id)
         image = str(d / "image.ext4")
         await trio.to_thread.run_sync(lambda: (d / "mnt").mkdir(parents=True, exist_ok=True))
-        attached = await _out(
-            "losetup", "--list", "--associated", image, "--output", "NAME", "--noheadings"
-        )
-        dev = attached.split()[0] if attached.split() else ""
-        created = not dev
-        if created:
+        for attempt in range(_MOUNT_TRIES):
+            attached = await _out(
+                "losetup", "--list", "--associated", image, "--output", "NAME", "--noheadings"
+            )
+            dev = attached.split()[0] if attached.split() else ""
+            if dev:
+                try:
+                    await _run("mount", "-o", "noatime", dev, str(d / "mnt"))
+                    return
+                except VolumeError:
+                    # detached meanwhile (its last mount just went): look again
+                    if attempt == _MOUNT_TRIES - 1:
+                        raise
+                    await trio.sleep(0.05 * (attempt + 1))
+                    continue
             dev = (await _out("losetup", "--direct-io=on", "--find", "--show", image)).strip()
-        try:
-            await _run("mount", "-o", "noatime", dev, str(d / "mnt"))
-        finally:
-            if created:  # detached once unmounted everywhere (autoclear)
+            try:
+                await _run("mount", "-o", "noatime", dev, str(d / "mnt"))
+            finally:  # detached once unmounted everywhere (autoclear)
                 await _run("losetup", "--detach", dev, check=False)
+            return
 
     async def _remove_files(self, volume_id: str) -> None:
         d = self._dir(volume_id)
@@ -837,7 +847,10 @@ def _update(root: Path, rel: str, owner: Owner) -> dict[str, Any]:
 def _open_for_write(root: Path, rel: str, owner: Owner, force: bool) -> int:
     if not rel:
         raise pv.VolumeRequestError("path names the volume's root, not a file")
-    with _parent(root, rel, create=owner if force else None) as (pfd, name):
+    # like envd's files.write: missing parents are made, an existing file is
+    # replaced (`force` changes nothing: the SDKs document both behaviours)
+    del force
+    with _parent(root, rel, create=Owner(owner.uid, owner.gid)) as (pfd, name):
         mode = 0o644 if owner.mode is None else owner.mode
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         try:

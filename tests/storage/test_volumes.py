@@ -113,9 +113,10 @@ async def test_records_survive_and_errors_are_clear(tmp_path: Path) -> None:
     try:
         with pytest.raises(VolumeConflict):
             await vols.create("keep", 16)
-        with pytest.raises(VolumePathNotFound):
+        await vols.write_file(rec.volume_id, "new/dir/f", _body(b"x"), owner=Owner(), force=False)
+        with pytest.raises(VolumePathNotFound):  # a file where a directory should be
             await vols.write_file(
-                rec.volume_id, "no/dir/f", _body(b"x"), owner=Owner(), force=False
+                rec.volume_id, "new/dir/f/g", _body(b"x"), owner=Owner(), force=False
             )
         with pytest.raises(VolumeFull):
             await vols.write_file(
