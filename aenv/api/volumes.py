@@ -62,6 +62,11 @@ def _and_token(rec: VolumeRecord) -> dict[str, object]:
 @bp.post("/volumes")
 async def volume_create() -> Response:
     name, size_mb = pv.parse_new_volume(await read_body())
+    member = deps().cluster
+    # names are the cluster's: sandboxes mount volumes by name
+    elsewhere = [] if member is None else await member.gather("/cluster/v1/volumes")
+    if any(isinstance(v, dict) and v.get("name") == name for v in elsewhere):
+        raise ApiError(409, f"volume {name!r} already exists")
     rec = await _volumes().create(name, size_mb)
     return json_response(_and_token(rec), 201)
 

@@ -62,6 +62,8 @@ def test_calls_through_another_node_reach_the_volume(
     monkeypatch.setenv("E2B_VOLUME_API_URL", b.url)
     with sdk_pointed_at(b.url, KEY):
         assert vol.volume_id in [v.volume_id for v in Volume.list()]
+        with pytest.raises(Exception, match="already exists"):
+            Volume.create("shared")  # names are the cluster's
         again = Volume.connect(vol.volume_id)
         assert again.token == vol.token
         again.write_file("/via-b.txt", "written through node-b")
