@@ -234,11 +234,16 @@ class Volumes:
                     "kill them first"
                 )
             del self._records[rec.volume_id]
+            self._dirty.discard(rec.volume_id)
+            self._chunks.pop(rec.volume_id, None)
             await trio.to_thread.run_sync((self._dir(rec.volume_id) / "volume.json").unlink)
-            await self._remove_files(rec.volume_id)
-            if self.store is not None:
-                with contextlib.suppress(Exception):
-                    await self.store.delete(STORE_PREFIX + rec.volume_id + ".json")
+            # a copy under way finishes first: its manifest must not outlive this
+            async with self._persisting.setdefault(rec.volume_id, trio.Lock()):
+                await self._remove_files(rec.volume_id)
+                if self.store is not None:
+                    with contextlib.suppress(Exception):
+                        await self.store.delete(STORE_PREFIX + rec.volume_id + ".json")
+            self._persisting.pop(rec.volume_id, None)
             log.info("volume %s (%s) deleted", rec.volume_id, rec.name)
             return rec
 
