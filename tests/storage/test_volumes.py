@@ -18,6 +18,7 @@ import trio
 
 from aenv.proto.volumes import VolumeMount, VolumeRequestError, content_path, parse_mounts
 from aenv.storage.objstore import open_object_store
+from aenv.storage.snapstore import collect_garbage
 from aenv.storage.volumes import (
     Owner,
     VolumeConflict,
@@ -84,6 +85,10 @@ async def test_persist_is_incremental_and_fetch_moves_a_volume(tmp_path: Path) -
         assert here.to_persist() == [vid]
         second = await here.persist(vid)
         assert 0 < second["uploadedBytes"] < 1024
+        # the store's collection keeps what the volume's copy references, only
+        # what no copy does goes (the first copy's index and "one")
+        report = await collect_garbage(store, grace_s=0)
+        assert report.deleted == 2
 
         moved = await there.fetch("data")
         assert moved is not None and (moved.volume_id, moved.token) == (vid, rec.token)
