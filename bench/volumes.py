@@ -11,6 +11,10 @@ One node (`python -m aenv serve`, free loopback port, netns prefix
   sandbox's root file system: the host overlay, also through the gofer);
 - **read**: the file just written back to /dev/null (both cached).
 
+The two alternate which goes first each round. The node's copies of volumes
+to the object store are off (`AENV_VOLUME_PERSIST_S=0`): they would hash the
+very files being written.
+
 Outside, through the e2b SDK: `Volume.write_file` / `Volume.read_file` of
 `--api-mb` MiB (the content API, streamed), next to `files.write` /
 `files.read` of the same bytes into the sandbox (envd, the baseline a user
@@ -79,7 +83,13 @@ def main() -> None:
     private = Path(tempfile.mkdtemp(prefix="aenv-bench-vol-"))
     link_home(Path(args.home), private)
     key = "bench_" + secrets.token_hex(8)
-    env = {"AENV_NET_PREFIX": NET_PREFIX, "AENV_SLOT_CIDR": SLOT_CIDR, "AENV_ON_STOP": "stop"}
+    env = {
+        "AENV_NET_PREFIX": NET_PREFIX,
+        "AENV_SLOT_CIDR": SLOT_CIDR,
+        "AENV_ON_STOP": "stop",
+        # the copies to the object store would hash the files being measured
+        "AENV_VOLUME_PERSIST_S": "0",
+    }
     node = start_node(private, api_key=key, log_path=private / "node.log", extra_env=env)
     os.environ.update(
         {
@@ -103,7 +113,9 @@ def main() -> None:
         try:
             places = {"volume": "/mnt/vol/bench.bin", "root fs": "/home/user/bench.bin"}
             for i in range(args.n):
-                for where, path in places.items():
+                # each round the other one first: a busy disk's slow spells hit both
+                order = list(places.items())[:: 1 if i % 2 == 0 else -1]
+                for where, path in order:
                     w = sbx.commands.run(
                         f"rm -f {path}; dd if=/dev/zero of={path} bs=1M count={args.mb} "
                         "conv=fsync 2>&1",

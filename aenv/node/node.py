@@ -880,11 +880,13 @@ class Node:
         await self._hibernate([a for a in self._sandboxes.values() if a.frozen_pause], within_s)
 
     async def persist_volumes(self, _stop: StopToken) -> None:
-        """Copy volumes that changed or are mounted to the object store, every
-        `volume_persist_s` (only the chunks the store lacks go up)."""
+        """Copy volumes that changed or were mounted to the object store, every
+        `volume_persist_s` (only the chunks the store lacks go up); one that is
+        mounted now, every tenth time."""
+        every = self.config.volume_persist_s
         while True:
-            await trio.sleep(self.config.volume_persist_s)
-            await self.volumes.persist_due()
+            await trio.sleep(every)
+            await self.volumes.persist_due(in_use_every_s=10 * every)
 
     async def watch_memory(self, stop: StopToken) -> None:
         """Hibernate sandboxes paused in memory while the host runs short of it

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -140,6 +141,7 @@ class Volumes:
         # per volume: path -> (inode, size, mtime, ctime) and the chunks it hashed to
         self._chunks: dict[str, dict[str, tuple[tuple[int, ...], tuple[Chunk, ...]]]] = {}
         self._persisting: dict[str, trio.Lock] = {}
+        self._copied_at: dict[str, float] = {}  # trio time of each volume's last copy
 
     # -- records -------------------------------------------------------------
 
@@ -236,6 +238,7 @@ class Volumes:
             del self._records[rec.volume_id]
             self._dirty.discard(rec.volume_id)
             self._chunks.pop(rec.volume_id, None)
+            self._copied_at.pop(rec.volume_id, None)
             await trio.to_thread.run_sync((self._dir(rec.volume_id) / "volume.json").unlink)
             # a copy under way finishes first: its manifest must not outlive this
             async with self._persisting.setdefault(rec.volume_id, trio.Lock()):
@@ -402,14 +405,21 @@ class Volumes:
 
     # -- the object store ------------------------------------------------------
 
-    def to_persist(self) -> list[str]:
-        """Volumes to copy to the store: changed or mounted since their last copy,
-        or mounted now (a sandbox may be writing to them)."""
-        return sorted(v for v in self._records if v in self._dirty or self.users(v))
+    def to_persist(self, *, in_use_every_s: float = 0.0) -> list[str]:
+        """Volumes to copy to the store: changed or mounted since their last copy;
+        one mounted now (a sandbox may be writing to it: a copy hashes the files
+        it changed) at most every `in_use_every_s`."""
+        now = trio.current_time()
+        return sorted(
+            v
+            for v in self._records
+            if (v in self._dirty or self.users(v))
+            and not (self.users(v) and now - self._copied_at.get(v, -math.inf) < in_use_every_s)
+        )
 
-    async def persist_due(self) -> None:
+    async def persist_due(self, *, in_use_every_s: float = 0.0) -> None:
         """Copy every volume `to_persist` names (the node's persister calls this)."""
-        for volume_id in self.to_persist():
+        for volume_id in self.to_persist(in_use_every_s=in_use_every_s):
             try:
                 await self.persist(volume_id)
             except VolumeNotFound:
@@ -433,6 +443,7 @@ class Volumes:
         async with lock:
             rec = self.get(volume_id)
             self._dirty.discard(volume_id)  # writes from now on: the next copy
+            self._copied_at[volume_id] = trio.current_time()
             root = self.mountpoint(volume_id)
             cache = self._chunks.setdefault(volume_id, {})
             index = await self._call(_index_tree, root, cache)

@@ -62,7 +62,8 @@ def test_content_paths_stay_inside_and_mounts_are_checked() -> None:
 @needs_root
 async def test_persist_is_incremental_and_fetch_moves_a_volume(tmp_path: Path) -> None:
     store = open_object_store((tmp_path / "store").as_uri())
-    here = Volumes(tmp_path / "a", node_tag="nodea", store=store)
+    users: dict[str, list[str]] = {}
+    here = Volumes(tmp_path / "a", node_tag="nodea", store=store, users=lambda v: users.get(v, []))
     there = Volumes(tmp_path / "b", node_tag="nodeb", store=store)
     await here.load()
     await there.load()
@@ -80,6 +81,10 @@ async def test_persist_is_incremental_and_fetch_moves_a_volume(tmp_path: Path) -
         first = await here.persist(vid)
         assert first["uploadedBytes"] >= len(big)
         assert here.to_persist() == []
+        users[vid] = ["sbx1"]  # mounted: copied again, but not too often
+        assert here.to_persist() == [vid]
+        assert here.to_persist(in_use_every_s=600) == []
+        users.clear()
         # only what changed goes up again
         await here.write_file(vid, "small", _body(b"two"), owner=Owner(uid=0), force=False)
         assert here.to_persist() == [vid]
