@@ -250,8 +250,26 @@ class Volumes:
             log.info("volume %s (%s) deleted", rec.volume_id, rec.name)
             return rec
 
+    async def drop_local(self, volume_id: str) -> None:
+        """Remove this node's copy of a volume whose sandboxes moved away with it
+        (its copy in the object store stays: the node they went to fetched it)."""
+        async with self._lock:
+            rec = self.get(volume_id)
+            if self.users(volume_id):
+                raise VolumeConflict(f"volume {rec.name!r} is mounted here")
+            del self._records[volume_id]
+            self._dirty.discard(volume_id)
+            self._chunks.pop(volume_id, None)
+            await trio.to_thread.run_sync((self._dir(volume_id) / "volume.json").unlink)
+            await self._remove_files(volume_id)
+            log.info("volume %s (%s) left this node", volume_id, rec.name)
+
     async def host_path(self, volume_id: str) -> Path:
-        """The host directory a sandbox bind-mounts for `volume_id` (mounted now if it was not)."""
+        """The host directory a sandbox bind-mounts for `volume_id` (mounted now if
+        it was not; fetched from the object store if this node has no copy: a
+        sandbox moved here from another node)."""
+        if volume_id not in self._records and self.store is not None:
+            await self.fetch(volume_id)
         async with self._lock:
             if volume_id not in self._records:
                 raise VolumeNotFound(f"volume {volume_id!r} not found")
@@ -488,7 +506,9 @@ class Volumes:
         if self.store is None:
             return None
         doc = None
-        for info in await self.store.list(STORE_PREFIX):
+        with contextlib.suppress(ObjectNotFound, ValueError):  # by ID: one read
+            doc = json.loads(await self.store.get(STORE_PREFIX + id_or_name + ".json"))
+        for info in [] if doc is not None else await self.store.list(STORE_PREFIX):
             try:
                 d = json.loads(await self.store.get(info.key))
             except (ObjectNotFound, ValueError):

@@ -77,3 +77,37 @@ def test_calls_through_another_node_reach_the_volume(
             s.kill()
         assert Volume.destroy(vol.volume_id) is True
         assert os.path.exists(a.home / "volumes") and not list((a.home / "volumes").iterdir())
+
+
+@pytest.mark.slow
+def test_a_drain_moves_a_volume_with_the_sandboxes_sharing_it(
+    two: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = two.nodes["node-a"], two.nodes["node-b"]
+    with sdk_pointed_at(a.url, KEY):
+        vol = Volume.create("moving")
+        _wait_holder(two, "node-a", vol.volume_id)  # node-a has measured it: placed there
+        s1 = Sandbox.create(TEMPLATE, timeout=300, volume_mounts={"/mnt/m": "moving"})
+        s2 = Sandbox.create(TEMPLATE, timeout=300, volume_mounts={"/work": "moving"})
+        assert {owner(two, s.sandbox_id) for s in (s1, s2)} == {"node-a"}
+        s1.commands.run("echo one > /mnt/m/one")
+        s2.commands.run("echo two > /work/two")
+    r = httpx.post(f"{a.url}/cluster/nodes/self/drain", headers={"X-API-Key": KEY}, timeout=600)
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert (report["moved"], report["failed"]) == (2, {}), report
+    assert {m["to"] for m in report["sandboxes"]} == {"node-b"}  # together
+    assert not list((a.home / "volumes").iterdir())  # the volume left node-a
+    monkeypatch.setenv("E2B_VOLUME_API_URL", b.url)
+    with sdk_pointed_at(b.url, KEY):
+        t1, t2 = Sandbox.connect(s1.sandbox_id), Sandbox.connect(s2.sandbox_id)
+        try:
+            assert t1.commands.run("cat /mnt/m/one /mnt/m/two").stdout == "one\ntwo\n"
+            t2.commands.run("echo after > /work/after")
+            assert t1.commands.run("cat /mnt/m/after").stdout == "after\n"  # one copy
+            moved = Volume.connect(vol.volume_id)
+            assert (moved.token, moved.read_file("/after")) == (vol.token, "after\n")
+        finally:
+            t1.kill()
+            t2.kill()
+        assert Volume.destroy(vol.volume_id) is True
