@@ -1052,7 +1052,7 @@ async def open_node_on(
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
         await node.defaults.start()  # default templates shared, or fetched if missing
-        if config.volume_persist_s > 0:
+        if config.volume_persist_s > 0 and node.volumes.store is not None:
             services.start_soon(
                 "volume-persister",
                 node.persist_volumes,
@@ -1074,8 +1074,9 @@ async def open_node_on(
                 await services.aclose("the node is stopping")
             await services.aclose("the node is stopping", grace_s=0.0)  # what is left
             await sandboxes.aclose("the node is stopping")
-            with trio.move_on_after(SERVICES_STOP_S):
-                await node.volumes.persist_due()  # what changed since the last copy
+            if node.volumes.store is not None:
+                with trio.move_on_after(SERVICES_STOP_S):
+                    await node.volumes.persist_due()  # what changed since the last copy
             await node.volumes.close()  # no sandbox runs on: nothing holds them
         finally:
             nursery.cancel_scope.cancel()
