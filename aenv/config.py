@@ -108,6 +108,9 @@ class Config:
     # ... or at once, longest paused first, while the host's available memory
     # is below this percentage of its total (AENV_HIBERNATE_MEMORY_LOW; 0: never).
     hibernate_memory_low_pct: float = 10.0
+    # Volumes written or mounted since their last copy are copied to the object
+    # store this often, only what changed (AENV_VOLUME_PERSIST_S, seconds; 0: never).
+    volume_persist_s: float = 60.0
     # What a stopping node does with its sandboxes (AENV_ON_STOP): "keep" leaves
     # running ones running (and writes paused ones to disk) for the next node
     # process to take back, as containerd leaves containers; "stop" stops them.
@@ -302,6 +305,8 @@ class Config:
             kw["warm_templates"] = _flag(env["AENV_WARM_TEMPLATES"])
         if env.get("AENV_HIBERNATE_AFTER"):
             kw["hibernate_after_s"] = float(env["AENV_HIBERNATE_AFTER"])
+        if env.get("AENV_VOLUME_PERSIST_S"):
+            kw["volume_persist_s"] = float(env["AENV_VOLUME_PERSIST_S"])
         if env.get("AENV_WRITE_BEHIND_AFTER"):
             kw["write_behind_s"] = float(env["AENV_WRITE_BEHIND_AFTER"])
         if env.get("AENV_HIBERNATE_MEMORY_LOW"):

@@ -30,6 +30,7 @@ from aenv.api import (
     snapshots,
     tags,
     templates,
+    volumes,
 )
 from aenv.api.auth import api_key_refusal
 from aenv.api.common import Deps, error_response, install_deps, install_error_handlers
@@ -49,6 +50,7 @@ BLUEPRINTS = (
     exec_ws.bp,  # the exec WebSocket (docs/exec-protocol.md)
     cluster.bp,  # members, each node's own sandboxes, the nodes' links
     secrets.bp,  # write-only secret values (Secret)
+    volumes.bp,  # volumes and their content API (docs/volumes.md)
 )
 
 
@@ -83,11 +85,13 @@ def create_app(
     async def _auth() -> Response | None:
         if request.path.startswith(builds.UPLOAD_PREFIX):
             return None  # a signed upload URL: its route checks the signature
+        if volumes.is_streamed_upload(request.method, request.path):
+            return None  # streamed to disk by the route, which checks the volume's token
         # Consume the (size-capped) body before any early answer: a keep-alive
         # connection whose request body was left unread stalls the next request.
         await request.get_data()
-        if request.path == "/health":
-            return None
+        if request.path == "/health" or volumes.is_content_route(request.path):
+            return None  # the content API takes a volume's token (the route checks it)
         refusal = api_key_refusal(
             request.headers.get("X-API-Key", ""), request.headers.get("Authorization", ""), key
         )

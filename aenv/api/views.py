@@ -45,6 +45,7 @@ def _common(a: SandboxInfo) -> dict[str, Any]:
         "state": api_state(a),
         "envdVersion": a.envd_version,
         "metadata": dict(a.metadata),
+        "volumeMounts": [dict(m) for m in a.volume_mounts],
     }
     if a.alias is not None:
         d["alias"] = a.alias

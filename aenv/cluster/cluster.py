@@ -105,6 +105,7 @@ async def measure_load(node: Node, *, draining: bool = False) -> placement.NodeL
         ),
         draining=draining,
         host=host_id(),
+        volumes=frozenset(x for v in node.volumes.all() for x in (v.volume_id, v.name)),
     )
 
 
@@ -165,6 +166,14 @@ class Cluster:
         # the next reconcile): `owner_of` asks the store.
         own = self.ownership
         return own is None or not own.may_serve() or own.grant(sandbox_id) is not None
+
+    def volume_holder(self, volume: str) -> Peer | None:
+        if self.node.volumes.find(volume) is not None:
+            return None
+        for m in self._members():
+            if m.id != self.node_id and m.state == "alive" and volume in m.load.volumes:
+                return m.as_peer()
+        return None
 
     def not_serving(self) -> str | None:
         own = self.ownership
@@ -278,7 +287,7 @@ class Cluster:
         return True
 
     def placement(self, body: bytes) -> Sequence[Peer]:
-        template, memory_mb = _template_of(body)
+        template, memory_mb, volumes = _template_of(body)
         here = self._here() or placement.NodeLoad(
             node=self.node_id,
             mem_total=1,
@@ -303,7 +312,14 @@ class Cluster:
         nodes = self.pending.apply(placement.share_host(loads.values(), here), now)
         # a snapshot (or a template) only some nodes hold goes to one of them first
         holders = [n for n in nodes if template is not None and template in n.templates]
-        ranked = placement.rank(holders, template=template, memory_mb=memory_mb, rng=self.rng)
+        # and a sandbox mounting volumes to a node that holds them, before all
+        with_volumes = placement.volume_holders(nodes, volumes)
+        ranked = placement.rank(with_volumes, template=template, memory_mb=memory_mb, rng=self.rng)
+        ranked += [
+            n
+            for n in placement.rank(holders, template=template, memory_mb=memory_mb, rng=self.rng)
+            if n not in ranked
+        ]
         ranked += [
             n
             for n in placement.rank(nodes, template=template, memory_mb=memory_mb, rng=self.rng)
@@ -315,16 +331,24 @@ class Cluster:
         return [urls[n.node] for n in ranked]
 
 
-def _template_of(body: bytes) -> tuple[str | None, int]:
+def _template_of(body: bytes) -> tuple[str | None, int, list[str]]:
+    """A create's template, memory and the names of the volumes it mounts."""
     try:
         doc = json.loads(body or b"{}")
     except ValueError:
-        return None, 512
+        return None, 512, []
     if not isinstance(doc, dict):
-        return None, 512
+        return None, 512, []
     template = doc.get("templateID")
     memory = doc.get("memoryMB")
+    mounts = doc.get("volumeMounts")
+    volumes = [
+        m["name"]
+        for m in (mounts if isinstance(mounts, list) else [])
+        if isinstance(m, dict) and isinstance(m.get("name"), str)
+    ]
     return (
         template if isinstance(template, str) else None,
         memory if isinstance(memory, int) and memory > 0 else 512,
+        volumes,
     )

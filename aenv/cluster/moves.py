@@ -157,6 +157,7 @@ class Moves:
         self._stuck: set[str] = set()  # ... and whose restore failed: kept, tried again
         self._handed: set[str] = set()  # handed to another node, still here until killed
         self._moving: set[str] = set()  # being drained: `Owners` leaves their claims alone
+        self._was_running: set[str] = set()  # paused by a drain ahead of their move
         self._locks: dict[str, trio.Lock] = {}
         self._room_locks: dict[str, trio.Lock] = {}
         self._made_room: dict[str, Member] = {}  # moved away to make room, to whom
@@ -540,13 +541,22 @@ class Moves:
                     took,
                 )
 
+        alone, groups = volume_groups(actors)
         async with trio.open_nursery() as nursery:
-            for actor in actors:
+            for actor in alone:
                 targets = self._targets()
                 if not targets:
                     report.failed[actor.sandbox_id] = "no other node can take it"
                     continue
                 nursery.start_soon(one, actor, targets[turn % len(targets)])
+                turn += 1
+            for group in groups:
+                targets = self._targets()
+                if not targets:
+                    for actor in group:
+                        report.failed[actor.sandbox_id] = "no other node can take it"
+                    continue
+                nursery.start_soon(self._move_group, group, targets[turn % len(targets)], one)
                 turn += 1
         report.seconds = time.monotonic() - t0
         log.info(
@@ -580,6 +590,7 @@ class Moves:
                 or actor.state is not lc.State.PAUSED
                 or not actor.on_disk
                 or actor.frozen_pause
+                or actor.volume_mounts  # its volumes are here (a drain moves them along)
             ):
                 return None
             available, total = read_meminfo()
@@ -623,6 +634,61 @@ class Moves:
         )
         return members[ranked[0].node] if ranked else None
 
+    async def _to_disk(self, actor: SandboxActor) -> None:
+        """Pause `actor` (if it runs) and have it written to disk."""
+        if actor.state is lc.State.RUNNING:
+            await actor.mailbox.ask(Pause("full"), timeout=PAUSE_S)
+        if actor.frozen_pause:  # paused in memory: to disk now
+            await actor.mailbox.ask(Hibernate(), timeout=60)
+
+        def on_disk() -> bool:
+            return actor.state is lc.State.PAUSED and actor.on_disk and not actor.frozen_pause
+
+        with trio.move_on_after(PAUSE_S):
+            while not on_disk():  # noqa: ASYNC110 (no event says "on disk")
+                await trio.sleep(0.05)
+        if not on_disk():
+            raise MoveError(
+                f"sandbox {actor.sandbox_id} could not be paused to disk ({actor.state.value})"
+            )
+
+    async def _move_group(
+        self,
+        group: list[SandboxActor],
+        target: Member,
+        one: Callable[[SandboxActor, Member], Any],
+    ) -> None:
+        """Move sandboxes that share volumes to one node, with the volumes: all
+        paused to disk first (nothing writes to them any more), the volumes copied to
+        the store, the sandboxes moved (the first one's resume there fetches
+        the volumes), then this node's copies of the volumes removed."""
+        volumes = sorted({m.volume_id for a in group for m in a.volume_mounts})
+        try:
+            for actor in group:
+                if actor.state is lc.State.RUNNING:
+                    self._was_running.add(actor.sandbox_id)
+                await self._to_disk(actor)  # its files all in the volume, on the host
+            for volume_id in volumes:
+                await self.node.volumes.persist(volume_id)
+        except Exception as exc:
+            log.error("moving volumes %s failed: %r", ", ".join(volumes), exc)
+            for actor in group:
+                if actor.sandbox_id in self._was_running:  # running again, as it was
+                    self._was_running.discard(actor.sandbox_id)
+                    with contextlib.suppress(Exception):
+                        await actor.mailbox.ask(Resume(), timeout=PAUSE_S)
+            if self.drain_report is not None:
+                for actor in group:
+                    self.drain_report.failed[actor.sandbox_id] = f"its volumes: {exc}"
+            return
+        for actor in group:
+            await one(actor, target)
+        for volume_id in volumes:
+            try:
+                await self.node.volumes.drop_local(volume_id)
+            except Exception as exc:  # still mounted here (a move failed): it stays
+                log.warning("volume %s stays on this node: %r", volume_id, exc)
+
     def _targets(self) -> list[Member]:
         return [
             m
@@ -649,21 +715,10 @@ class Moves:
                 if e.claim.node != self.ownership.node:
                     raise MoveError(f"node {e.claim.node} holds sandbox {sid}") from None
                 await self.ownership.take_over(sid)
-        running = actor.state is lc.State.RUNNING
+        running = actor.state is lc.State.RUNNING or sid in self._was_running
+        self._was_running.discard(sid)
         remaining = 0.0
-        if running:
-            await actor.mailbox.ask(Pause("full"), timeout=PAUSE_S)
-        if actor.frozen_pause:  # paused in memory: to disk now
-            await actor.mailbox.ask(Hibernate(), timeout=60)
-
-        def on_disk() -> bool:
-            return actor.state is lc.State.PAUSED and actor.on_disk and not actor.frozen_pause
-
-        with trio.move_on_after(PAUSE_S):
-            while not on_disk():  # noqa: ASYNC110 (no event says "on disk")
-                await trio.sleep(0.05)
-        if not on_disk():
-            raise MoveError(f"sandbox {sid} could not be paused to disk ({actor.state.value})")
+        await self._to_disk(actor)
         remaining = actor.lifecycle.remaining or 0.0
         lock = self._locks.setdefault(sid, trio.Lock())
         async with lock:
@@ -703,3 +758,35 @@ class Moves:
             async with self.unpark(sid):
                 await actor.mailbox.ask(Resume(resume_s), timeout=PAUSE_S)
         return actor
+
+
+def volume_groups(
+    actors: Sequence[SandboxActor],
+) -> tuple[list[SandboxActor], list[list[SandboxActor]]]:
+    """The sandboxes that mount no volume, and the others in groups that share
+    volumes (two that share one with a third are in one group): each group
+    moves to one node, where its volumes go too."""
+    alone: list[SandboxActor] = []
+    groups: list[list[SandboxActor]] = []
+    by_volume: dict[str, int] = {}
+    for actor in actors:
+        ids = {m.volume_id for m in actor.volume_mounts}
+        if not ids:
+            alone.append(actor)
+            continue
+        hit = sorted({by_volume[v] for v in ids if v in by_volume})
+        if hit:
+            into = hit[0]
+            for other in hit[1:]:  # this sandbox joins groups: merge them
+                groups[into].extend(groups[other])
+                groups[other] = []
+                for v, g in by_volume.items():
+                    if g == other:
+                        by_volume[v] = into
+        else:
+            into = len(groups)
+            groups.append([])
+        groups[into].append(actor)
+        for v in ids:
+            by_volume[v] = into
+    return alone, [g for g in groups if g]

@@ -12,6 +12,8 @@ and sorts every request with `aenv.proto.clusterroute.classify`:
 - a create: placed (`Cluster.placement`) and served here or forwarded to
   the chosen node; a node that cannot be reached or answers 503/507 is
   skipped for the next candidate, with the request body replayed.
+- about one volume (its content API, detail, delete): forwarded to the node
+  that holds it on its disk (gossiped in its load) when that is not this one.
 - anything else: served here (lists are cluster-wide in the service layer).
 """
 
@@ -40,6 +42,7 @@ from aenv.kit.asgiforward import (
 )
 from aenv.proto.clusterroute import HOP_HEADER, Create, Local, ToSandbox, classify
 from aenv.proto.routing import route
+from aenv.proto.volumes import volume_of_route
 
 log = logging.getLogger("aenv.cluster.router")
 
@@ -97,6 +100,10 @@ class ClusterView(Protocol):
         this node has no memory to resume it (None: resume it here)."""
         ...
 
+    def volume_holder(self, volume: str) -> Peer | None:
+        """The other live node that holds a volume (by ID or name) this node does not."""
+        ...
+
 
 class ClusterRouter:
     def __init__(
@@ -122,6 +129,13 @@ class ClusterRouter:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method = scope.get("method", "GET")
+        volume = volume_of_route(method, scope["path"]) if scope["type"] == "http" else None
+        if volume is not None and HOP_HEADER not in headers:
+            holder = self.cluster.volume_holder(volume)
+            if holder is not None:  # its files are on that node's disk
+                self.counter("volume")
+                await self._forward(holder, scope, receive, send)
+                return
         decision = classify(method, scope["path"], headers, self.domain)
         if isinstance(decision, Local) and HOP_HEADER in headers:
             # forwarded here by the sandbox's tag: it may have moved on (a drain)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
+import dataclasses
 import datetime
 import functools
 import itertools
@@ -91,6 +92,7 @@ from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.requests import Limits, NewSandbox
+from aenv.proto.volumes import VolumeMount
 from aenv.runtimes.base import Runtime
 from aenv.runtimes.gvisor import GVisorRuntime
 from aenv.runtimes.hostclaim import claim_host
@@ -106,6 +108,7 @@ from aenv.storage.templates import (
     TemplateStore,
     new_template_id,
 )
+from aenv.storage.volumes import Volumes
 
 log = logging.getLogger("aenv.node")
 
@@ -233,6 +236,12 @@ class Node:
             templates=templates,
             images=images,
             services=services,
+        )
+        self.volumes = Volumes(  # volumes on this node's disk (aenv.storage.volumes)
+            config.home / "volumes",
+            node_tag=config.effective_node_tag,
+            users=self.volume_users,
+            store=self.durable.store,
         )
         self.defaults = DefaultTemplates(  # base and busybox via the store
             config=config, templates=templates, store=self.durable.store, services=services
@@ -629,8 +638,22 @@ class Node:
         """A snapshot's record: this node's, else one only the object store holds."""
         return await self.snapshots.resolve(name_or_id) or await self.durable.locate(name_or_id)
 
+    def volume_users(self, volume_id: str) -> builtins.list[str]:
+        """The sandboxes (paused ones too) that mount volume `volume_id`."""
+        return [
+            a.sandbox_id
+            for a in self._sandboxes.values()
+            if any(m.volume_id == volume_id for m in a.volume_mounts)
+        ]
+
+    async def _with_volumes(self, req: NewSandbox) -> NewSandbox:
+        if not req.volume_mounts:
+            return req
+        return dataclasses.replace(req, volume_mounts=await self.volumes.resolve(req.volume_mounts))
+
     async def create(self, req: NewSandbox) -> SandboxActor:
         template = await self.resolve_template(req.template)
+        req = await self._with_volumes(req)
         if template.snapshot_id is not None:  # a built template: restore its snapshot
             doc = await self.find_snapshot(template.snapshot_id)
             if doc is None:
@@ -645,7 +668,8 @@ class Node:
             # a template that runs a server starts from its capture, made now
             warm = await self.warmer.ready_snapshot(template)
         if warm is not None:  # the template as a snapshot: restore, do not boot
-            pooled = self.pool.take(template)  # or take one restored already
+            # (a pooled sandbox runs already: it cannot gain mounts)
+            pooled = None if req.volume_mounts else self.pool.take(template)
             if pooled is not None:
                 try:
                     return await pooled.adopt(req)
@@ -764,6 +788,8 @@ class Node:
             "memoryMB": source.memory_mb,
             "diskMB": source.disk_mb,
             "envdToken": source.envd_access_token,
+            # what its memory image has mounted: a restore mounts them again
+            "volumeMounts": [m.to_doc() for m in source.volume_mounts],
         }
         return await self.services.run(
             f"snapshot {source.sandbox_id} #{next(self._jobs)}",
@@ -795,6 +821,10 @@ class Node:
             self._verified.add(snapshot_id)
         layers = doc.get("layers") or []
         stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])
+        if doc.get("volumeMounts") and not req.volume_mounts:
+            mounts = tuple(VolumeMount.from_doc(m) for m in doc["volumeMounts"])
+            req = dataclasses.replace(req, volume_mounts=mounts)
+        req = await self._with_volumes(req)
         self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.effective_node_tag)
         return SandboxActor.from_snapshot(
@@ -957,6 +987,15 @@ class Node:
         """Write every sandbox paused in memory to disk (before a clean shutdown),
         so it survives the restart like any other paused sandbox."""
         await self._hibernate([a for a in self._sandboxes.values() if a.frozen_pause], within_s)
+
+    async def persist_volumes(self, _stop: StopToken) -> None:
+        """Copy volumes that changed or were mounted to the object store, every
+        `volume_persist_s` (only the chunks the store lacks go up); one that is
+        mounted now, every tenth time."""
+        every = self.config.volume_persist_s
+        while True:
+            await trio.sleep(every)
+            await self.volumes.persist_due(in_use_every_s=10 * every)
 
     async def watch_memory(self, stop: StopToken) -> None:
         """Hibernate sandboxes paused in memory while the host runs short of it
@@ -1132,9 +1171,18 @@ async def open_node_on(
         await node.layers.gc(await node.snapshots.layer_ids() | await node.journaled_layer_ids())
         images.attach_store(node.durable.store)  # image layers shared via the store
         await node.durable.serve_lazy_layers()  # before anything mounts them
+        await node.volumes.load()  # before the sandboxes that mount them
         await node.recover()
         await node.durable.resume()  # unfinished snapshot uploads
         await node.defaults.start()  # default templates shared, or fetched if missing
+        if config.volume_persist_s > 0 and node.volumes.store is not None:
+            services.start_soon(
+                "volume-persister",
+                node.persist_volumes,
+                policy=WATCHER_RESTARTS,
+                give_up=Strategy.FAIL,
+                grace_s=1.0,
+            )
         if config.hibernate_memory_low_pct > 0:
             services.start_soon(
                 "memory-pressure",
@@ -1149,6 +1197,10 @@ async def open_node_on(
                 await services.aclose("the node is stopping")
             await services.aclose("the node is stopping", grace_s=0.0)  # what is left
             await sandboxes.aclose("the node is stopping")
+            if node.volumes.store is not None:
+                with trio.move_on_after(SERVICES_STOP_S):
+                    await node.volumes.persist_due()  # what changed since the last copy
+            await node.volumes.close()  # no sandbox runs on: nothing holds them
         finally:
             nursery.cancel_scope.cancel()
 

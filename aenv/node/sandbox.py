@@ -44,12 +44,14 @@ from aenv.proto import lifecycle as lc
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.oomevent import OomKill
 from aenv.proto.requests import NewSandbox
+from aenv.proto.volumes import VolumeMount
 from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
 from aenv.runtimes.netns import NetSlot
 from aenv.storage.bundle import envd_command
 from aenv.storage.layers import Captured, LayerStack, LayerStore
 from aenv.storage.metadata import Metadata
 from aenv.storage.templates import Template
+from aenv.storage.volumes import Volumes
 
 log = logging.getLogger("aenv.sandbox")
 
@@ -244,6 +246,7 @@ class SandboxHost(Protocol):
     meta: Metadata
     # processes killed by sandboxes' OOM killer (aenv_sandbox_oom_kills_total)
     m_oom_kills: Metric
+    volumes: Volumes
 
     def forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
         """Take the actor out of the node's table (its task is ending)."""
@@ -276,6 +279,8 @@ class SandboxActor:
         self.allow_public_traffic = req.allow_public_traffic
         self.auto_pause = req.auto_pause
         self.auto_resume = req.auto_resume
+        # volumes bind-mounted at every start (resolved: with their IDs)
+        self.volume_mounts = req.volume_mounts
         # paused by a node stop (its root is served by the node): resumed at start
         self.resume_at_start = False
         self.cpu_count = req.cpu_count or template.cpu_count
@@ -498,6 +503,9 @@ class SandboxActor:
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
                 argv, env = envd_command(ENVD_PORT)
+                binds = [
+                    (await node.volumes.host_path(m.volume_id), m.path) for m in self.volume_mounts
+                ]
                 spec = SandboxSpec(
                     sandbox_id=self.sandbox_id,
                     rootfs=root,
@@ -510,6 +518,7 @@ class SandboxActor:
                     log_path=self.workdir / "console.log",
                     init_argv=tuple(argv),
                     init_env=env,
+                    binds=tuple(binds),
                 )
                 self._period_stack = period
                 self.http = await period.enter_async_context(_http_client())
@@ -891,6 +900,7 @@ class SandboxActor:
             "timeoutS": self.lifecycle.timeout_s,
             "captures": self._captures,
             "resumeAtStart": self.resume_at_start,
+            "volumeMounts": [m.to_doc() for m in self.volume_mounts],
         }
 
     async def journal_paused(self) -> None:
@@ -975,6 +985,7 @@ class SandboxActor:
             auto_pause_memory=doc["pauseMode"] == "full",
             cpu_count=int(doc["cpuCount"]),
             memory_mb=int(doc["memoryMB"]),
+            volume_mounts=tuple(VolumeMount.from_doc(m) for m in doc.get("volumeMounts") or ()),
         )
         actor = cls(node, str(doc["sandboxID"]), template, req)
         actor.env_vars = dict(doc["envVars"])  # as the sandbox had them, image Env included
@@ -1062,6 +1073,7 @@ class SandboxActor:
             auto_pause_memory=parent.pause_mode == "full",
             cpu_count=parent.cpu_count,
             memory_mb=parent.memory_mb,
+            volume_mounts=parent.volume_mounts,  # the same volumes, not copies
         )
         child = cls(parent.node, sandbox_id, parent.template, req)
         child.disk_mb = parent.disk_mb

@@ -64,6 +64,7 @@ from aenv.runtimes.gvisor import GVisorError
 from aenv.runtimes.netns import NetworkSetupError
 from aenv.storage.overlay import OverlayError
 from aenv.storage.templates import TemplateNotFound
+from aenv.storage.volumes import VolumeError
 
 log = logging.getLogger("aenv.service")
 
@@ -202,6 +203,8 @@ class SandboxInfo:
     paused_in_memory: bool
     pause_mode: str  # what the next (or the latest) pause saves: "full" or "filesystem"
     node: str  # the id of the node that runs it (E2B's clientID)
+    # the volumes it mounts: {"name", "path"} each
+    volume_mounts: tuple[Mapping[str, str], ...] = ()
 
     def to_doc(self) -> dict[str, Any]:
         """All of it as JSON, for another node of the cluster (`from_doc`)."""
@@ -214,8 +217,14 @@ class SandboxInfo:
     def from_doc(cls, doc: Mapping[str, Any]) -> SandboxInfo:
         """What `to_doc` wrote (a peer's answer; a malformed one raises ValueError)."""
         try:
-            fields = {f.name: doc[f.name] for f in dataclasses.fields(cls)}
+            fields = {
+                f.name: doc[f.name]
+                for f in dataclasses.fields(cls)
+                if f.name in doc or f.default is dataclasses.MISSING  # a peer's older record
+            }
             fields["policy"] = EgressPolicy.from_doc(doc["policy"])
+            if "volume_mounts" in fields:
+                fields["volume_mounts"] = tuple(dict(m) for m in fields["volume_mounts"])
             return cls(**fields)
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed sandbox record: {e}") from None
@@ -393,7 +402,7 @@ class LocalSandboxService:
             raise NotFound(f"template {req.template!r} not found") from None
         except TemplateFetching as e:
             raise Unavailable(str(e), retry_after=e.retry_after) from None
-        except InvalidName as e:
+        except (InvalidName, VolumeError) as e:
             raise BadRequest(str(e)) from None
         except PullError as e:
             raise pull_error(e) from None
@@ -605,6 +614,7 @@ def _info(a: SandboxActor) -> SandboxInfo:
         paused_in_memory=a.paused_in_memory,
         pause_mode=a.pause_mode,
         node=a.node.config.effective_node_id,
+        volume_mounts=tuple({"name": m.name, "path": m.path} for m in a.volume_mounts),
     )
 
 

@@ -56,6 +56,8 @@ class NodeLoad:
     templates: frozenset[str]
     draining: bool = False
     host: str = ""  # the machine's boot ID: nodes sharing it share memory and CPU ("" unknown)
+    # the IDs and names of the volumes on its disk (a sandbox mounting them goes there)
+    volumes: frozenset[str] = frozenset()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +71,7 @@ class NodeLoad:
             "diskFree": self.disk_free,
             "templates": sorted(self.templates),
             "draining": self.draining,
+            "volumes": sorted(self.volumes),
         }
 
     @classmethod
@@ -80,6 +83,7 @@ class NodeLoad:
             return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0.0
 
         templates = doc.get("templates")
+        volumes = doc.get("volumes")
         return cls(
             node=node,
             mem_total=int(num("memTotal")),
@@ -94,6 +98,9 @@ class NodeLoad:
             else frozenset(),
             draining=bool(doc.get("draining")),
             host=str(doc.get("host") or "")[:64],
+            volumes=frozenset(v for v in volumes if isinstance(v, str))
+            if isinstance(volumes, list)
+            else frozenset(),
         )
 
     @property
@@ -210,3 +217,10 @@ class Pending:
         done = min(len(p.at), max(shown, expired))
         del p.at[:done]
         p.base += done
+
+
+def volume_holders(nodes: Iterable[NodeLoad], volumes: Iterable[str]) -> list[NodeLoad]:
+    """The nodes that hold every one of `volumes` (by ID or name) on their disk:
+    a sandbox that mounts them shares their files live only there."""
+    wanted = frozenset(volumes)
+    return [n for n in nodes if wanted and wanted <= n.volumes]

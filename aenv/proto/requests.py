@@ -2,8 +2,7 @@
 
 Each `parse_*` takes the decoded JSON value and returns a frozen request or
 raises `BadRequest` with a message a user can act on. A field aenv knows but
-cannot honour yet (e.g. `autoPause: true` before pause exists, volume mounts,
-an egress proxy) is refused here, never silently dropped. Unknown fields are
+cannot honour yet (e.g. `mcp`, an egress proxy) is refused here, never silently dropped. Unknown fields are
 ignored, as E2B's API does, so newer SDKs keep working.
 """
 
@@ -16,6 +15,7 @@ from typing import Any
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy, PolicyError
+from aenv.proto.volumes import VolumeMount, VolumeRequestError, parse_mounts
 
 MAX_METADATA_ITEMS = 64
 MAX_ENV_ITEMS = 512
@@ -52,6 +52,8 @@ class NewSandbox:
     # aenv extension: size this sandbox instead of using the template's default
     cpu_count: int | None = None
     memory_mb: int | None = None
+    # volumes mounted read-write at their paths (`aenv.proto.volumes`)
+    volume_mounts: tuple[VolumeMount, ...] = ()
 
 
 def _obj(value: object, what: str) -> Mapping[str, Any]:
@@ -120,8 +122,6 @@ def _auto_resume(raw: object) -> bool:
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if body.get("mcp") not in (None, {}):
         raise BadRequest("mcp is not supported by this node")
-    if body.get("volumeMounts") not in (None, []):
-        raise BadRequest("volumeMounts are not supported by this node")
     iam = body.get("iam")
     if iam is not None and _obj(iam, "iam").get("tokens") not in (None, {}):
         raise BadRequest("iam workload identity is not supported by this node")
@@ -159,6 +159,10 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
         except InvalidReference as ref_error:
             raise BadRequest(f"{e} (nor is it an image reference: {ref_error})") from None
     _refuse_unsupported(b)
+    try:
+        mounts = parse_mounts(b.get("volumeMounts"))
+    except VolumeRequestError as e:
+        raise BadRequest(str(e)) from None
     auto_pause = bool(_bool(b, "autoPause"))
     auto_resume = _auto_resume(b.get("autoResume"))
     if auto_resume and not auto_pause:
@@ -189,6 +193,7 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
         auto_pause_memory=_bool(b, "autoPauseMemory") is not False,
         cpu_count=_bounded_int(b, "cpuCount", 1, limits.max_cpu),
         memory_mb=_bounded_int(b, "memoryMB", 128, limits.max_memory_mb),
+        volume_mounts=mounts,
     )
 
 

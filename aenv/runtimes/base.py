@@ -50,6 +50,8 @@ class SandboxSpec:
     # The sandbox's init process: envd started from the bundle (argv, env).
     init_argv: tuple[str, ...]
     init_env: Mapping[str, str] = field(default_factory=dict)
+    # Host directories bind-mounted read-write into the sandbox: (source, destination).
+    binds: tuple[tuple[Path, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -589,6 +589,16 @@ def oci_config(spec: SandboxSpec, *, cgroups_path: str) -> dict[str, Any]:
                 "source": str(spec.bundle),
                 "options": ["rbind", "ro"],
             },
+            # volumes: through the gofer, shared with the host and other sandboxes
+            *(
+                {
+                    "destination": dest,
+                    "type": "bind",
+                    "source": str(src),
+                    "options": ["rbind", "rw"],
+                }
+                for src, dest in spec.binds
+            ),
         ],
         "linux": {
             "cgroupsPath": cgroups_path,

@@ -151,6 +151,9 @@ class View:
     def placement(self, body: bytes) -> Sequence[Peer]:
         return [self.full, self.there, Peer("here", "", "alive")]
 
+    def volume_holder(self, volume: str) -> Peer | None:
+        return self.there if volume == "vol-there" else None
+
 
 @asynccontextmanager
 async def _serving(nursery: trio.Nursery, app: Any) -> AsyncIterator[str]:
@@ -324,3 +327,24 @@ async def test_websockets_reach_the_owner(nodes: tuple[str, httpx.AsyncClient]) 
         assert hello["e2b-sandbox-id"] == THERE_SID and hello[HOP_HEADER] == "here"
         await ws.send_message("hi")
         assert await ws.get_message() == "there:hi"
+
+
+async def test_volume_calls_reach_the_node_holding_the_volume(
+    nodes: tuple[str, httpx.AsyncClient],
+) -> None:
+    here, http = nodes
+    body = b"x" * 100_000
+    r = await http.put(f"{here}/volumecontent/vol-there/file?path=/a", content=body)
+    assert (r.json()["node"], len(r.json()["body"])) == ("there", len(body))
+    assert (await http.get(f"{here}/volumes/vol-there")).json()["node"] == "there"
+    assert (await http.delete(f"{here}/volumes/vol-there")).json()["node"] == "there"
+    # its own volumes, the list and creates are this node's; a hop is never forwarded
+    for method, path in (
+        ("GET", "/volumes/vol-here"),
+        ("GET", "/volumecontent/vol-here/dir?path=/"),
+        ("GET", "/volumes"),
+        ("POST", "/volumes"),
+    ):
+        assert (await http.request(method, here + path)).json()["node"] == "here", path
+    r = await http.get(f"{here}/volumes/vol-there", headers={HOP_HEADER: "x"})
+    assert r.json()["node"] == "here"

@@ -16,7 +16,15 @@ import random
 
 import pytest
 
-from aenv.proto.placement import PENDING_S, NodeLoad, Pending, rank, room_to_resume, share_host
+from aenv.proto.placement import (
+    PENDING_S,
+    NodeLoad,
+    Pending,
+    rank,
+    room_to_resume,
+    share_host,
+    volume_holders,
+)
 
 GiB = 2**30
 
@@ -156,3 +164,14 @@ def test_a_resume_needs_its_memory_above_the_low_mark() -> None:
     assert not room_to_resume(2 * gib, 16 * gib, 10.0, 512)
     assert not room_to_resume(20 * gib, 16 * gib, 10.0, 32 * 1024)
     assert room_to_resume(512 * 2**20, 16 * gib, 0.0, 512)  # no low mark: what is free
+
+
+def test_volumes_are_gossiped_and_their_holders_found() -> None:
+    a = _node("a", volumes=frozenset({"v1", "data"}))
+    b = _node("b", volumes=frozenset({"data"}))
+    again = NodeLoad.from_json("a", a.to_json())
+    assert again.volumes == a.volumes
+    assert NodeLoad.from_json("x", {"volumes": "data"}).volumes == frozenset()
+    assert [n.node for n in volume_holders([a, b], ["data"])] == ["a", "b"]
+    assert [n.node for n in volume_holders([a, b], ["data", "v1"])] == ["a"]
+    assert volume_holders([a, b], []) == []

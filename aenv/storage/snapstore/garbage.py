@@ -25,6 +25,7 @@ from aenv.storage.snapstore.manifest import (
     IMAGE_PENDING_PREFIX,
     MANIFEST_PREFIX,
     PENDING_PREFIX,
+    VOLUME_PREFIX,
     BadManifest,
     Manifest,
     SnapshotUnavailable,
@@ -131,6 +132,7 @@ async def collect_garbage(
                 ) from None
             report.image_layers += 1
             marked.update(c.digest for e in index.entries for c in e.chunks)
+    await _mark_volumes(store, marked)
     candidates = []
     for info in blobs:
         digest = "sha256:" + info.key.rsplit("/", 1)[-1]
@@ -158,6 +160,25 @@ async def collect_garbage(
         report.deleted += 1
         report.bytes_deleted += info.size
     return report
+
+
+async def _mark_volumes(store: ObjectStore, marked: set[str]) -> None:
+    """Keep what persisted volumes reference: each one's layer index and its chunks."""
+    for info in await store.list(VOLUME_PREFIX + "/"):
+        try:
+            doc = json.loads(await store.get(info.key))
+            digest = str(doc["index"])
+            raw = await store.get_blob(digest)
+        except ObjectNotFound:
+            continue  # deleted meanwhile
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SnapshotUnavailable(f"garbage collection stopped: {info.key!r}: {exc}") from None
+        try:
+            index = await trio.to_thread.run_sync(loads, raw)
+        except BadIndex as exc:
+            raise SnapshotUnavailable(f"garbage collection stopped: {info.key!r}: {exc}") from None
+        marked.add(digest)
+        marked.update(c.digest for e in index.entries for c in e.chunks)
 
 
 async def _mark_manifests(

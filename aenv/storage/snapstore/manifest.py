@@ -28,6 +28,8 @@ NAME_PREFIX = "names"
 # Image layer indexes, written by aenv.images.objects (same strings; storage never imports images).
 IMAGE_LAYER_PREFIX = "images/layers"
 IMAGE_PENDING_PREFIX = "images/pending"
+# volumes/<volume id>.json: a persisted volume (aenv.storage.volumes), its tree one layer index
+VOLUME_PREFIX = "volumes"
 MANIFEST_VERSION = 2  # 2: memory image files as page maps; 1 (chunked images) still reads
 _READABLE_VERSIONS = (1, 2)
 
