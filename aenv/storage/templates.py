@@ -6,7 +6,9 @@ its metadata. Names from callers are validated with `check_name` before they
 touch the filesystem, and paths are always derived from the validated ID,
 never read from metadata. A template appears atomically: it is assembled in a
 hidden staging directory and renamed into place; deletion renames it away
-before removing it. A built template (`put_built`) has no root filesystem
+before removing it. Aliases are indexed in `<root>/.aliases/` (one symlink
+per alias, naming its template's ID), so resolving a name reads at most
+two templates however many there are. A built template (`put_built`) has no root filesystem
 of its own: it names the snapshot its sandboxes are restored from, over its
 base's root filesystem, and a rebuild rewrites its `template.json` in place.
 A corrupt `template.json` is logged and skipped. The
@@ -54,6 +56,10 @@ _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 _LOCK_FILE = ".lock"
 _STAGING_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+# `<root>/.aliases/<alias>`: a symlink whose target is the ID of the template
+# with that alias, so resolving an alias reads one template, not all of them.
+ALIASES_DIR = ".aliases"
+_ALIASES_COMPLETE = ".complete"  # in ALIASES_DIR once it holds every alias
 _T = TypeVar("_T")
 
 
@@ -347,12 +353,78 @@ class TemplateStore:
         self.root = root
         # Where image templates' trees appear (the node's image mount).
         self.image_root = image_root
+        self._aliases = root / ALIASES_DIR
         root.mkdir(parents=True, exist_ok=True)
         with self._locked():
             for leftover in root.iterdir():
                 if leftover.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)):
                     log.info("removing leftover %s", leftover)
                     shutil.rmtree(leftover, ignore_errors=True)
+            if not (self._aliases / _ALIASES_COMPLETE).exists():
+                self._index_aliases()
+
+    # -- the alias index -----------------------------------------------------
+    #
+    # A pointer is written (and its directory synced) before the template that
+    # names the alias appears, and removed after it goes, all under the lock;
+    # `resolve` believes a pointer only if the template it leads to lists the
+    # alias. So a crash anywhere leaves every alias findable, and at worst a
+    # stale pointer that nothing believes and the next writer replaces.
+
+    def _index_aliases(self) -> None:
+        """Build the alias index from every template (a home from before it, or
+        one whose build a crash interrupted; hold the lock)."""
+        staging = self.root / f"{_STAGING_PREFIX}aliases-{secrets.token_hex(4)}"
+        staging.mkdir()
+        count = 0
+        for template in self.list():
+            for alias in template.aliases:
+                with contextlib.suppress(FileExistsError):  # the first by ID keeps it
+                    os.symlink(template.template_id, staging / alias)
+                    count += 1
+        (staging / _ALIASES_COMPLETE).touch()
+        fsync_dir(staging)
+        if self._aliases.exists():
+            os.rename(self._aliases, self.root / f"{_TRASH_PREFIX}aliases-{secrets.token_hex(4)}")
+        os.rename(staging, self._aliases)
+        fsync_dir(self.root)
+        for trash in self.root.glob(f"{_TRASH_PREFIX}aliases-*"):
+            shutil.rmtree(trash, ignore_errors=True)
+        log.info("indexed %d template aliases", count)
+
+    def _pointer(self, alias: str) -> str | None:
+        try:
+            return os.readlink(self._aliases / alias)
+        except (FileNotFoundError, NotADirectoryError, OSError):
+            return None
+
+    def _by_alias(self, alias: str) -> Template | None:
+        target = self._pointer(alias)
+        if target is None:
+            return None
+        try:
+            check_name(target)
+        except InvalidName:
+            return None
+        template = self._load(target)
+        return template if template is not None and alias in template.aliases else None
+
+    def _point(self, aliases: Sequence[str], template_id: str) -> None:
+        """Make `aliases` lead to `template_id` (durably; hold the lock)."""
+        if not aliases:
+            return
+        for alias in aliases:
+            tmp = self._aliases / f".{alias}.{secrets.token_hex(4)}.tmp"
+            os.symlink(template_id, tmp)
+            os.replace(tmp, self._aliases / alias)
+        fsync_dir(self._aliases)
+
+    def _unpoint(self, aliases: Sequence[str], template_id: str) -> None:
+        """Remove the pointers of `aliases` that lead to `template_id` (hold the lock)."""
+        for alias in aliases:
+            if self._pointer(alias) == template_id:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._aliases / alias)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -396,14 +468,12 @@ class TemplateStore:
         return found
 
     def resolve(self, name_or_id: str) -> Template:
-        """The template with this ID, else the one with this alias."""
+        """The template with this ID, else the one with this alias (at most two
+        template reads, however many templates there are)."""
         check_name(name_or_id, "template name")
-        template = self._load(name_or_id)
+        template = self._load(name_or_id) or self._by_alias(name_or_id)
         if template is not None:
             return template
-        for candidate in self.list():
-            if name_or_id in candidate.aliases:
-                return candidate
         raise TemplateNotFound(f"template {name_or_id!r} not found")
 
     def _check_new(
@@ -419,16 +489,14 @@ class TemplateStore:
 
     def _check_free(self, template_id: str, aliases: tuple[str, ...]) -> None:
         """Raise TemplateConflict if the ID or an alias is taken (hold the lock)."""
-        taken_ids: set[str] = set()
-        taken_aliases: set[str] = set()
-        for entry in self.root.iterdir():
-            if not entry.name.startswith("."):
-                taken_ids.add(entry.name)
-        for other in self.list():
-            taken_aliases.update(other.aliases)
-        if template_id in taken_ids or template_id in taken_aliases:
+
+        def taken(name: str) -> bool:
+            path = self.root / name
+            return path.exists() or path.is_symlink() or self._by_alias(name) is not None
+
+        if taken(template_id):
             raise TemplateConflict(f"template {template_id!r} already exists")
-        clash = [a for a in aliases if a in taken_aliases or a in taken_ids]
+        clash = [a for a in aliases if taken(a)]
         if clash:
             raise TemplateConflict(f"alias {clash[0]!r} is already taken")
 
@@ -472,6 +540,7 @@ class TemplateStore:
                 _move_tree(rootfs_dir, staging / ROOTFS_DIR)
                 moved = True
                 _write_json_atomic(staging / METADATA_FILE, template.to_json())
+                self._point(clean_aliases, template_id)
                 os.rename(staging, template_dir)
                 fsync_dir(self.root)
             except BaseException:
@@ -598,6 +667,7 @@ class TemplateStore:
         old = self.root / f"{_STAGING_PREFIX}{template.template_id}-old-{secrets.token_hex(4)}"
         try:
             _write_json_atomic(staging / METADATA_FILE, template.to_json())
+            self._point(template.aliases, template.template_id)
             if target.exists():
                 os.rename(target, old)
             os.rename(staging, target)
@@ -636,6 +706,10 @@ class TemplateStore:
             if existing is None:
                 self._check_free(template_id, template.aliases)
             self._publish(template)
+            if existing is not None:
+                self._unpoint(
+                    [a for a in existing.aliases if a not in template.aliases], template_id
+                )
         log.info(
             "adopted %s template %s from the object store",
             "a newer build of" if newer else "",
@@ -655,8 +729,16 @@ class TemplateStore:
                 fsync_dir(marker.parent)
 
     def share_pending(self) -> Sequence[Template]:
-        """The templates whose share was asked for and has not finished."""
-        return [t for t in self.list() if (self.root / t.template_id / SHARE_PENDING_FILE).exists()]
+        """The templates whose share was asked for and has not finished (one stat
+        per template; only those with the marker are read)."""
+        found = []
+        for entry in sorted(self.root.iterdir()):
+            if entry.name.startswith(".") or not (entry / SHARE_PENDING_FILE).exists():
+                continue
+            with contextlib.suppress(InvalidName):
+                if (template := self._load(check_name(entry.name))) is not None:
+                    found.append(template)
+        return found
 
     def rootfs_index(self, template_id: str) -> str | None:
         """The recorded digest of the template's root filesystem index, if any."""
@@ -679,5 +761,6 @@ class TemplateStore:
             trash = self.root / f"{_TRASH_PREFIX}{template.template_id}-{secrets.token_hex(4)}"
             os.rename(self.root / template.template_id, trash)
             fsync_dir(self.root)
+            self._unpoint(template.aliases, template.template_id)
         shutil.rmtree(trash, ignore_errors=True)
         log.info("deleted template %s", template.template_id)

@@ -114,7 +114,8 @@ def test_add_list_resolve_delete_round_trip(tmp_path: Path, store: TemplateStore
     assert store.list() == [b]
     store.delete("tpl-b")
     assert store.list() == []
-    assert sorted(p.name for p in store.root.iterdir()) == [".lock"]
+    assert sorted(p.name for p in store.root.iterdir()) == [".aliases", ".lock"]
+    assert [p.name for p in (store.root / ".aliases").iterdir()] == [".complete"]
 
 
 def test_ids_and_aliases_are_unique(tmp_path: Path, store: TemplateStore) -> None:
