@@ -135,6 +135,69 @@ def test_ids_and_aliases_are_unique(tmp_path: Path, store: TemplateStore) -> Non
     assert store.resolve("dos") == two
 
 
+def test_a_home_from_before_the_alias_index_resolves_its_aliases(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    a = store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"), aliases=["alpha"])
+    b = store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"), aliases=["beta"])
+    shutil.rmtree(store.root / ".aliases")  # as a node from before the index left it
+    with pytest.raises(TemplateNotFound):
+        store.resolve("alpha")  # this process trusts the index it built
+    reopened = TemplateStore(store.root)
+    assert reopened.resolve("alpha") == a
+    assert reopened.resolve("beta") == b
+    with pytest.raises(TemplateConflict):
+        reopened.add(template_id="tpl-c", rootfs_dir=make_rootfs(tmp_path, "c"), aliases=["beta"])
+
+
+def test_a_crash_leaves_no_alias_pointing_at_the_wrong_template(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    a = store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"), aliases=["alpha"])
+    # What a crash after an add's pointer and before its template leaves, and what one
+    # after a delete's rename and before its unlinking leaves: pointers nothing confirms.
+    os.symlink("tpl-x", store.root / ".aliases" / "ghost")
+    os.symlink("tpl-a", store.root / ".aliases" / "not-alpha")
+    os.symlink("../../etc", store.root / ".aliases" / "evil")
+    for stale in ("ghost", "not-alpha", "evil"):
+        with pytest.raises(TemplateNotFound):
+            store.resolve(stale)
+    # a stale pointer does not hold its alias: the next template takes it
+    b = store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"), aliases=["ghost"])
+    assert store.resolve("ghost") == b
+    # a crash mid-build of the index (no completion marker) builds it again
+    (store.root / ".aliases" / ".complete").unlink()
+    os.unlink(store.root / ".aliases" / "alpha")
+    reopened = TemplateStore(store.root)
+    assert reopened.resolve("alpha") == a
+    assert reopened.resolve("ghost") == b
+    assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [
+        ".complete",
+        "alpha",
+        "ghost",
+    ]
+
+
+def test_an_adopted_newer_build_moves_the_aliases_it_changed(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    base = store.add(template_id="tpl-base", rootfs_dir=make_rootfs(tmp_path, "base"))
+    built, _ = store.put_built(
+        template_id="tpl-built",
+        build_id="b1",
+        aliases=["old-name"],
+        base=base,
+        snapshot_id="snap-1",
+    )
+    doc = built.to_json() | {"buildID": "b2", "aliases": ["new-name"], "updatedAt": 1e12}
+    store.adopt(json.dumps(doc).encode())
+    assert store.resolve("new-name").build_id == "b2"
+    with pytest.raises(TemplateNotFound):
+        store.resolve("old-name")
+    store.delete("new-name")
+    assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [".complete"]
+
+
 @pytest.mark.parametrize("bad", UNSAFE)
 def test_unsafe_names_are_refused_without_touching_disk(
     tmp_path: Path, store: TemplateStore, bad: str
