@@ -278,7 +278,11 @@ class Durable:
             stored = await trio.to_thread.run_sync(layers.stored_index, layer.id)
             stack.append(LocalLayer(id=layer.id, below=layer.below, tree=layer.path, index=stored))
         image = Path(doc["image"]) if doc.get("image") else None
-        bases = image_bases(doc, await self._snapshots.list()) if image is not None else []
+        bases = (
+            image_bases(doc, await self._snapshots.of_template(str(doc.get("templateID"))))
+            if image is not None
+            else []
+        )
         return await upload_snapshot(
             self.store,
             snapshot_id=str(doc["snapshotID"]),
