@@ -56,9 +56,11 @@ CREATE TABLE IF NOT EXISTS image_refs (
 CREATE INDEX IF NOT EXISTS image_refs_key ON image_refs(key);
 CREATE TABLE IF NOT EXISTS image_layers (
     layer TEXT NOT NULL,
+    pulled_at REAL NOT NULL,
     key TEXT NOT NULL,
-    PRIMARY KEY (layer, key)
+    PRIMARY KEY (layer, pulled_at, key)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS image_layers_key ON image_layers(key);
 """
 
 MIGRATED_SUFFIX = ".migrated"
@@ -196,7 +198,7 @@ class ImageCatalog:
         """The newest pulled image that has layer blob `layer`."""
         return self._one(
             "SELECT i.key, i.doc FROM image_layers l JOIN images i ON i.key = l.key "
-            "WHERE l.layer = ? ORDER BY i.pulled_at DESC LIMIT 1",
+            "WHERE l.layer = ? ORDER BY l.pulled_at DESC LIMIT 1",
             (layer,),
         )
 
@@ -245,7 +247,10 @@ def _put(
         "pulled_at = excluded.pulled_at, doc = excluded.doc",
         (key, digest, pulled_at, json.dumps(body, sort_keys=True)),
     )
+    # with the pull's time, so the newest image with a layer is the first index entry
+    # (a base layer may be in a hundred thousand images)
+    db.execute("DELETE FROM image_layers WHERE key = ?", (key,))
     db.executemany(
-        "INSERT OR IGNORE INTO image_layers(layer, key) VALUES (?, ?)",
-        [(layer, key) for layer in layers],
+        "INSERT OR IGNORE INTO image_layers(layer, pulled_at, key) VALUES (?, ?, ?)",
+        [(layer, pulled_at, key) for layer in layers],
     )

@@ -213,3 +213,31 @@ async def test_a_crash_mid_import_is_imported_again_at_the_next_start(tmp_path: 
             )
             found = store.find(f"registry.example/app:{tag}")
             assert found is not None and found.key == newest.key
+
+
+def test_no_lookup_reads_the_whole_catalog(tmp_path: Path) -> None:
+    """Every statement a lookup runs is answered from an index (SQLite's plan
+    has no SCAN and no sort), with a shared base layer in every image."""
+    catalog = ImageCatalog(tmp_path / CATALOG_FILE)
+    base = f"sha256:{0:064x}"
+    for n in range(1, 201):
+        r = record(n, reference=f"registry.example/app:{n}", pulled_at=float(n))
+        doc = r.to_json() | {"layers": [base, *r.layers]}
+        catalog.put(
+            key=r.key, digest=r.manifest_digest, pulled_at=r.pulled_at, doc=doc, claim=r.reference
+        )
+    statements: list[str] = []
+    catalog._db.set_trace_callback(statements.append)
+    newest = catalog.by_layer(base)
+    assert newest is not None and newest.key == f"{200:064x}"
+    assert catalog.by_reference("registry.example/app:7") is not None
+    assert catalog.by_digest(f"sha256:{9:064x}") is not None
+    assert catalog.get(f"{11:064x}") is not None
+    catalog._db.set_trace_callback(None)
+    assert len(statements) == 8  # the record and its references, for each lookup
+    for sql in statements:
+        plan = " / ".join(
+            str(row[3]) for row in catalog._db.execute("EXPLAIN QUERY PLAN " + sql).fetchall()
+        )
+        assert "SCAN" not in plan and "TEMP B-TREE" not in plan, (sql, plan)
+    catalog.close()
