@@ -192,7 +192,7 @@ class Durable:
 
     async def resume(self) -> None:
         """Restart the uploads and template shares an earlier node process left unfinished."""
-        for doc in await self._snapshots.list():
+        for doc in await self._snapshots.uploading():
             if doc.get("storage") == "uploading":
                 if self.store is None:
                     await self._snapshots.update(str(doc["snapshotID"]), storage="local")

@@ -242,6 +242,10 @@ class Snapshots:
         """The snapshots taken of sandbox `sandbox_id` (its paused copies included)."""
         return await self.meta.run(self.meta.store.snapshots_from, sandbox_id)
 
+    async def uploading(self) -> list[dict[str, Any]]:
+        """The snapshots whose upload has not finished."""
+        return await self.meta.run(self.meta.store.snapshots_uploading)
+
     async def list(self) -> list[dict[str, Any]]:
         """Every snapshot (listings and sweeps; lookups use the indexed calls)."""
         return await self.meta.run(self.meta.store.list_snapshots)
@@ -255,7 +259,7 @@ class Snapshots:
             await self.on_delete(doc)
 
     async def layer_ids(self) -> set[str]:
-        return {lid for d in await self.list() for lid in d.get("layers", [])}
+        return await self.meta.run(self.meta.store.snapshot_layer_ids)
 
 
 async def record_capture(

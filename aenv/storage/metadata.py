@@ -41,6 +41,8 @@ CREATE INDEX IF NOT EXISTS snapshots_name ON snapshots(name, created_at);
 SNAPSHOT_INDEXES = """
 CREATE INDEX IF NOT EXISTS snapshots_template ON snapshots(template_id, created_at);
 CREATE INDEX IF NOT EXISTS snapshots_source ON snapshots(source);
+CREATE INDEX IF NOT EXISTS snapshots_uploading ON snapshots(created_at)
+    WHERE json_extract(doc, '$.storage') = 'uploading';
 """
 
 Doc = dict[str, Any]
@@ -162,6 +164,23 @@ class MetadataStore:
             "SELECT doc FROM snapshots WHERE template_id = ? ORDER BY created_at, id",
             (template_id,),
         )
+
+    def snapshots_uploading(self) -> list[Doc]:
+        """The snapshots whose upload has not finished (a partial index: as many
+        reads as there are of them)."""
+        return self._rows(
+            "SELECT doc FROM snapshots WHERE json_extract(doc, '$.storage') = 'uploading' "
+            "ORDER BY created_at"
+        )
+
+    def snapshot_layer_ids(self) -> set[str]:
+        """Every layer some snapshot stands on (for layer GC: read in SQLite, no
+        record is parsed here)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT DISTINCT j.value FROM snapshots, json_each(snapshots.doc, '$.layers') j"
+            ).fetchall()
+        return {str(r[0]) for r in rows}
 
     def snapshots_from(self, sandbox_id: str) -> list[Doc]:
         """The snapshots taken of sandbox `sandbox_id`, oldest first (indexed)."""

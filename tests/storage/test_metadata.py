@@ -70,3 +70,21 @@ def test_snapshots_by_template_and_source_in_a_file_from_before_those_columns(
         "EXPLAIN QUERY PLAN SELECT doc FROM snapshots WHERE template_id = ?", ("t1",)
     ).fetchall()
     assert "snapshots_template" in str(plan)  # a lookup, not a scan
+
+
+def test_uploading_snapshots_and_layers_are_read_without_parsing_every_record(
+    tmp_path: Path,
+) -> None:
+    s = MetadataStore(tmp_path / "m.db")
+    for i, storage in enumerate(["local", "uploading", "durable", "uploading"]):
+        doc = {"id": f"s{i}", "storage": storage, "layers": [f"l{i}", "l-shared"]}
+        s.put_snapshot(f"s{i}", None, float(i), doc)
+    assert [d["id"] for d in s.snapshots_uploading()] == ["s1", "s3"]
+    s.put_snapshot("s1", None, 1.0, {"id": "s1", "storage": "durable", "layers": ["l1"]})
+    assert [d["id"] for d in s.snapshots_uploading()] == ["s3"]
+    assert s.snapshot_layer_ids() == {"l0", "l1", "l2", "l3", "l-shared"}
+    plan = s._db.execute(
+        "EXPLAIN QUERY PLAN SELECT doc FROM snapshots "
+        "WHERE json_extract(doc, '$.storage') = 'uploading' ORDER BY created_at"
+    ).fetchall()
+    assert "snapshots_uploading" in str(plan)
