@@ -396,7 +396,7 @@ t = time.perf_counter(); every = meta.list_snapshots()
 out["for contrast: every snapshot record parsed"] = time.perf_counter() - t
 del every
 t = time.perf_counter(); shares = templates.share_pending()
-out["template share resume (a stat per template)"] = time.perf_counter() - t
+out["template share resume (unfinished shares only)"] = time.perf_counter() - t
 out = {k: round(v, 3) for k, v in out.items()}
 del layers, pending, shares
 now = rss()
@@ -539,10 +539,14 @@ def main() -> int:
         built = Path(os.environ.get("AENV_TEST_HOME", REPO / ".state" / "test-home"))
         if args.node:
             result["node"] = measure_nodes(homes, built, samples=500)
-        result["disk MiB"] = {
-            label: round(
-                sum(f.stat().st_size for f in h.path.rglob("*") if f.is_file()) / (1 << 20), 1
-            )
+        result["database MiB"] = {
+            label: {
+                name: round(
+                    sum(f.stat().st_size for f in h.path.glob(pattern) if f.is_file()) / (1 << 20),
+                    1,
+                )
+                for name, pattern in (("images", "images/catalog.db*"), ("aenv.db", "aenv.db*"))
+            }
             for label, h in homes.items()
         }
     finally:
@@ -580,7 +584,7 @@ def _print(r: dict[str, Any]) -> None:
             print(f"{which} {label}: {v}")
     for label, v in (r.get("node") or {}).items():
         print(f"node {label}: {v}")
-    print(f"disk: {r['disk MiB']}")
+    print(f"databases: {r['database MiB']}")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,11 @@ from aenv.proto.ids import InvalidName, check_name
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "template.json"
-# In a template's directory while it is still to be put in the object store
-# (aenv.node.durable): a node that stops before the share finishes resumes it.
+# `<root>/.share-pending/<template id>` while a template is still to be put in
+# the object store (aenv.node.durable): a node that stops before the share
+# finishes resumes it. Homes from before kept it in the template's directory as
+# SHARE_PENDING_FILE; the index build moves it.
+SHARE_PENDING_DIR = ".share-pending"
 SHARE_PENDING_FILE = "share-pending"
 # In a default template's directory: the digest of its root filesystem's layer
 # index (aenv.storage.snapstore.defaults), its content identity, computed once.
@@ -354,7 +357,9 @@ class TemplateStore:
         # Where image templates' trees appear (the node's image mount).
         self.image_root = image_root
         self._aliases = root / ALIASES_DIR
+        self._pending = root / SHARE_PENDING_DIR
         root.mkdir(parents=True, exist_ok=True)
+        self._pending.mkdir(exist_ok=True)
         with self._locked():
             for leftover in root.iterdir():
                 if leftover.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)):
@@ -372,16 +377,26 @@ class TemplateStore:
     # stale pointer that nothing believes and the next writer replaces.
 
     def _index_aliases(self) -> None:
-        """Build the alias index from every template (a home from before it, or
+        """Build the alias index from every template, and move share markers from
+        template directories to SHARE_PENDING_DIR (a home from before these, or
         one whose build a crash interrupted; hold the lock)."""
         staging = self.root / f"{_STAGING_PREFIX}aliases-{secrets.token_hex(4)}"
         staging.mkdir()
         count = 0
+        moved: list[Path] = []
         for template in self.list():
             for alias in template.aliases:
                 with contextlib.suppress(FileExistsError):  # the first by ID keeps it
                     os.symlink(template.template_id, staging / alias)
                     count += 1
+            old_marker = self.root / template.template_id / SHARE_PENDING_FILE
+            if old_marker.exists():
+                (self._pending / template.template_id).touch()
+                moved.append(old_marker)
+        if moved:
+            fsync_dir(self._pending)
+            for old_marker in moved:
+                old_marker.unlink()
         (staging / _ALIASES_COMPLETE).touch()
         fsync_dir(staging)
         if self._aliases.exists():
@@ -719,9 +734,9 @@ class TemplateStore:
 
     def mark_share_pending(self, template_id: str, pending: bool) -> None:
         """Record (or clear) that the template is still to be put in the object store."""
-        marker = self.root / check_name(template_id) / SHARE_PENDING_FILE
+        marker = self._pending / check_name(template_id)
         if pending:
-            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+            if (self.root / template_id).is_dir():  # not deleted meanwhile
                 write_atomic(marker, b"")
         else:
             with contextlib.suppress(FileNotFoundError):
@@ -729,12 +744,10 @@ class TemplateStore:
                 fsync_dir(marker.parent)
 
     def share_pending(self) -> Sequence[Template]:
-        """The templates whose share was asked for and has not finished (one stat
-        per template; only those with the marker are read)."""
+        """The templates whose share was asked for and has not finished (only
+        those are read; a marker of a deleted template is skipped)."""
         found = []
-        for entry in sorted(self.root.iterdir()):
-            if entry.name.startswith(".") or not (entry / SHARE_PENDING_FILE).exists():
-                continue
+        for entry in sorted(self._pending.iterdir()):
             with contextlib.suppress(InvalidName):
                 if (template := self._load(check_name(entry.name))) is not None:
                     found.append(template)
@@ -762,5 +775,6 @@ class TemplateStore:
             os.rename(self.root / template.template_id, trash)
             fsync_dir(self.root)
             self._unpoint(template.aliases, template.template_id)
+            (self._pending / template.template_id).unlink(missing_ok=True)
         shutil.rmtree(trash, ignore_errors=True)
         log.info("deleted template %s", template.template_id)

@@ -114,7 +114,7 @@ def test_add_list_resolve_delete_round_trip(tmp_path: Path, store: TemplateStore
     assert store.list() == [b]
     store.delete("tpl-b")
     assert store.list() == []
-    assert sorted(p.name for p in store.root.iterdir()) == [".aliases", ".lock"]
+    assert sorted(p.name for p in store.root.iterdir()) == [".aliases", ".lock", ".share-pending"]
     assert [p.name for p in (store.root / ".aliases").iterdir()] == [".complete"]
 
 
@@ -176,6 +176,26 @@ def test_a_crash_leaves_no_alias_pointing_at_the_wrong_template(
         "alpha",
         "ghost",
     ]
+
+
+def test_unfinished_shares_are_found_without_reading_every_template(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    a = store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"))
+    b = store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"))
+    store.add(template_id="tpl-c", rootfs_dir=make_rootfs(tmp_path, "c"))
+    store.mark_share_pending("tpl-b", True)
+    assert TemplateStore(store.root).share_pending() == [b]
+    store.mark_share_pending("tpl-b", False)
+    assert store.share_pending() == []
+    # a home from before the index kept the marker in the template's directory
+    (store.root / "tpl-a" / "share-pending").touch()
+    (store.root / ".aliases" / ".complete").unlink()
+    reopened = TemplateStore(store.root)
+    assert reopened.share_pending() == [a]
+    assert not (store.root / "tpl-a" / "share-pending").exists()
+    reopened.delete("tpl-a")  # a deleted template's share is not resumed
+    assert reopened.share_pending() == []
 
 
 def test_an_adopted_newer_build_moves_the_aliases_it_changed(
