@@ -517,6 +517,8 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the generated homes")
     ap.add_argument("--work", type=Path, default=None, help="where to build the homes")
     args = ap.parse_args()
+    if args.templates > args.images or args.baseline < 1:
+        ap.error("every template is an image's own: --templates must not exceed --images")
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-catalog-", dir=args.work))
     homes = {
         "baseline": Home(work / "baseline", args.baseline, args.baseline, args.baseline),
