@@ -246,6 +246,10 @@ class Snapshots:
         """The snapshots whose upload has not finished."""
         return await self.meta.run(self.meta.store.snapshots_uploading)
 
+    async def names(self, limit: int) -> list[str]:
+        """The first `limit` IDs and names (sorted) of snapshots a user made."""
+        return await self.meta.run(self.meta.store.snapshot_names, limit)
+
     async def list(self) -> list[dict[str, Any]]:
         """Every snapshot (listings and sweeps; lookups use the indexed calls)."""
         return await self.meta.run(self.meta.store.list_snapshots)

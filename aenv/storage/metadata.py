@@ -182,6 +182,21 @@ class MetadataStore:
             ).fetchall()
         return {str(r[0]) for r in rows}
 
+    def snapshot_names(self, limit: int) -> list[str]:
+        """The first `limit` IDs and names, in sorted order, of the snapshots that are
+        not the node's own (whose names start with "~"), read from indexes."""
+        own = "coalesce(json_extract(doc, '$.names[0]'), name, '') LIKE '~%'"
+        with self._lock:
+            ids = self._db.execute(
+                f"SELECT id FROM snapshots WHERE NOT {own} ORDER BY id LIMIT ?", (limit,)
+            ).fetchall()
+            names = self._db.execute(
+                "SELECT DISTINCT name FROM snapshots WHERE name IS NOT NULL "
+                "AND name NOT LIKE '~%' ORDER BY name LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return sorted({str(r[0]) for r in ids} | {str(r[0]) for r in names})[:limit]
+
     def snapshots_from(self, sandbox_id: str) -> list[Doc]:
         """The snapshots taken of sandbox `sandbox_id`, oldest first (indexed)."""
         return self._rows(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import heapq
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from typing import TypeVar
 
 from aenv.kit.files import fsync_dir, write_atomic
 from aenv.proto.envd_schema import ENVD_VERSION
-from aenv.proto.ids import InvalidName, check_name
+from aenv.proto.ids import NAME_RE, InvalidName, check_name
 
 log = logging.getLogger(__name__)
 
@@ -469,6 +470,16 @@ class TemplateStore:
         except _Corrupt as exc:
             log.warning("skipping template %r: corrupt %s: %s", template_id, METADATA_FILE, exc)
             return None
+
+    def names(self, limit: int) -> list[str]:
+        """The first `limit` template IDs and aliases in sorted order, from directory
+        entries alone (no template is read: cheap enough to gossip every few
+        seconds with a hundred thousand templates)."""
+        found: set[str] = set()
+        for where in (self.root, self._aliases):
+            with os.scandir(where) as it:
+                found.update(e.name for e in it if not e.name.startswith("."))
+        return heapq.nsmallest(limit, (n for n in found if NAME_RE.fullmatch(n)))
 
     def list(self) -> list[Template]:
         """Every valid template, sorted by ID."""

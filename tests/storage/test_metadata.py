@@ -88,3 +88,14 @@ def test_uploading_snapshots_and_layers_are_read_without_parsing_every_record(
         "WHERE json_extract(doc, '$.storage') = 'uploading' ORDER BY created_at"
     ).fetchall()
     assert "snapshots_uploading" in str(plan)
+
+
+def test_the_first_names_of_user_snapshots_come_from_indexes(tmp_path: Path) -> None:
+    s = MetadataStore(tmp_path / "m.db")
+    s.put_snapshot("snap-b", "zeta", 1.0, {"names": ["zeta"]})
+    s.put_snapshot("snap-a", None, 2.0, {"names": []})
+    s.put_snapshot("snap-c", "zeta", 3.0, {"names": ["zeta"]})  # a second build of zeta
+    s.put_snapshot("snap-0", "~template/t@b", 4.0, {"names": ["~template/t@b"]})
+    s.put_snapshot("snap-1", None, 5.0, {"names": ["~paused/sb"]})
+    assert s.snapshot_names(10) == ["snap-a", "snap-b", "snap-c", "zeta"]
+    assert s.snapshot_names(2) == ["snap-a", "snap-b"]

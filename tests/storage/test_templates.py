@@ -198,6 +198,16 @@ def test_unfinished_shares_are_found_without_reading_every_template(
     assert reopened.share_pending() == []
 
 
+def test_names_are_the_first_ids_and_aliases_without_reading_templates(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"), aliases=["zz"])
+    store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"), aliases=["aa", "mm"])
+    (store.root / "tpl-a" / "template.json").write_text("unreadable")  # never read
+    assert store.names(10) == ["aa", "mm", "tpl-a", "tpl-b", "zz"]
+    assert store.names(2) == ["aa", "mm"]
+
+
 def test_an_adopted_newer_build_moves_the_aliases_it_changed(
     tmp_path: Path, store: TemplateStore
 ) -> None:
