@@ -321,8 +321,7 @@ class Builds:
 
     async def backing(self, snapshot_id: str) -> Template | None:
         """The template whose sandboxes restore `snapshot_id`, if any."""
-        templates = await trio.to_thread.run_sync(self.node.templates.list)
-        return next((t for t in templates if t.snapshot_id == snapshot_id), None)
+        return await trio.to_thread.run_sync(self.node.templates.backing, snapshot_id)
 
     async def forget_template(self, template: Template) -> None:
         """After `template` was deleted: remove the snapshot it was restored from."""

@@ -64,6 +64,9 @@ _TRASH_PREFIX = ".trash-"
 # with that alias, so resolving an alias reads one template, not all of them.
 ALIASES_DIR = ".aliases"
 _ALIASES_COMPLETE = ".complete"  # in ALIASES_DIR once it holds every alias
+# `<root>/.aliases/.snapshots/<snapshot id>`: a symlink naming the built template
+# whose sandboxes restore that snapshot (built and swapped with the aliases).
+_SNAPSHOTS_SUBDIR = ".snapshots"
 _T = TypeVar("_T")
 
 
@@ -358,6 +361,7 @@ class TemplateStore:
         # Where image templates' trees appear (the node's image mount).
         self.image_root = image_root
         self._aliases = root / ALIASES_DIR
+        self._snapshots = self._aliases / _SNAPSHOTS_SUBDIR
         self._pending = root / SHARE_PENDING_DIR
         root.mkdir(parents=True, exist_ok=True)
         self._pending.mkdir(exist_ok=True)
@@ -368,6 +372,7 @@ class TemplateStore:
                     shutil.rmtree(leftover, ignore_errors=True)
             if not (self._aliases / _ALIASES_COMPLETE).exists():
                 self._index_aliases()
+            self._snapshots.mkdir(exist_ok=True)
 
     # -- the alias index -----------------------------------------------------
     #
@@ -383,6 +388,7 @@ class TemplateStore:
         one whose build a crash interrupted; hold the lock)."""
         staging = self.root / f"{_STAGING_PREFIX}aliases-{secrets.token_hex(4)}"
         staging.mkdir()
+        (staging / _SNAPSHOTS_SUBDIR).mkdir()
         count = 0
         moved: list[Path] = []
         for template in self.list():
@@ -390,6 +396,11 @@ class TemplateStore:
                 with contextlib.suppress(FileExistsError):  # the first by ID keeps it
                     os.symlink(template.template_id, staging / alias)
                     count += 1
+            if template.snapshot_id is not None:
+                with contextlib.suppress(FileExistsError):
+                    os.symlink(
+                        template.template_id, staging / _SNAPSHOTS_SUBDIR / template.snapshot_id
+                    )
             old_marker = self.root / template.template_id / SHARE_PENDING_FILE
             if old_marker.exists():
                 (self._pending / template.template_id).touch()
@@ -399,6 +410,7 @@ class TemplateStore:
             for old_marker in moved:
                 old_marker.unlink()
         (staging / _ALIASES_COMPLETE).touch()
+        fsync_dir(staging / _SNAPSHOTS_SUBDIR)
         fsync_dir(staging)
         if self._aliases.exists():
             os.rename(self._aliases, self.root / f"{_TRASH_PREFIX}aliases-{secrets.token_hex(4)}")
@@ -408,11 +420,19 @@ class TemplateStore:
             shutil.rmtree(trash, ignore_errors=True)
         log.info("indexed %d template aliases", count)
 
-    def _pointer(self, alias: str) -> str | None:
+    def _pointer(self, name: str, where: Path | None = None) -> str | None:
         try:
-            return os.readlink(self._aliases / alias)
-        except (FileNotFoundError, NotADirectoryError, OSError):
+            return os.readlink((where or self._aliases) / name)
+        except OSError:
             return None
+
+    def backing(self, snapshot_id: str) -> Template | None:
+        """The built template whose sandboxes restore `snapshot_id`, if any (one read)."""
+        target = self._pointer(snapshot_id, self._snapshots)
+        if target is None or NAME_RE.fullmatch(target) is None:
+            return None
+        template = self._load(target)
+        return template if template is not None and template.snapshot_id == snapshot_id else None
 
     def _by_alias(self, alias: str) -> Template | None:
         target = self._pointer(alias)
@@ -425,22 +445,33 @@ class TemplateStore:
         template = self._load(target)
         return template if template is not None and alias in template.aliases else None
 
-    def _point(self, aliases: Sequence[str], template_id: str) -> None:
-        """Make `aliases` lead to `template_id` (durably; hold the lock)."""
+    def _point(self, aliases: Sequence[str], template_id: str, where: Path | None = None) -> None:
+        """Make `aliases` (or snapshot IDs, `where` given) lead to `template_id`
+        (durably; hold the lock)."""
+        where = where or self._aliases
         if not aliases:
             return
         for alias in aliases:
-            tmp = self._aliases / f".{alias}.{secrets.token_hex(4)}.tmp"
+            tmp = where / f".{alias}.{secrets.token_hex(4)}.tmp"
             os.symlink(template_id, tmp)
-            os.replace(tmp, self._aliases / alias)
-        fsync_dir(self._aliases)
+            os.replace(tmp, where / alias)
+        fsync_dir(where)
 
-    def _unpoint(self, aliases: Sequence[str], template_id: str) -> None:
+    def _unpoint(self, aliases: Sequence[str], template_id: str, where: Path | None = None) -> None:
         """Remove the pointers of `aliases` that lead to `template_id` (hold the lock)."""
+        where = where or self._aliases
         for alias in aliases:
-            if self._pointer(alias) == template_id:
+            if self._pointer(alias, where) == template_id:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._aliases / alias)
+                    os.unlink(where / alias)
+
+    def _point_snapshot(self, template: Template) -> None:
+        if template.snapshot_id is not None:
+            self._point([template.snapshot_id], template.template_id, self._snapshots)
+
+    def _unpoint_snapshot(self, template: Template | None, keep: str | None = None) -> None:
+        if template is not None and template.snapshot_id not in (None, keep):
+            self._unpoint([str(template.snapshot_id)], template.template_id, self._snapshots)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -678,7 +709,9 @@ class TemplateStore:
                 snapshot_id=snapshot_id,
             )
             if old is not None:
+                self._point_snapshot(template)
                 _write_json_atomic(self.root / template_id / METADATA_FILE, template.to_json())
+                self._unpoint_snapshot(old, keep=snapshot_id)
             else:
                 self._publish(template)
         log.info("template %s: build %s ready (snapshot %s)", template_id, build_id, snapshot_id)
@@ -694,6 +727,7 @@ class TemplateStore:
         try:
             _write_json_atomic(staging / METADATA_FILE, template.to_json())
             self._point(template.aliases, template.template_id)
+            self._point_snapshot(template)
             if target.exists():
                 os.rename(target, old)
             os.rename(staging, target)
@@ -736,6 +770,7 @@ class TemplateStore:
                 self._unpoint(
                     [a for a in existing.aliases if a not in template.aliases], template_id
                 )
+                self._unpoint_snapshot(existing, keep=template.snapshot_id)
         log.info(
             "adopted %s template %s from the object store",
             "a newer build of" if newer else "",
@@ -786,6 +821,7 @@ class TemplateStore:
             os.rename(self.root / template.template_id, trash)
             fsync_dir(self.root)
             self._unpoint(template.aliases, template.template_id)
+            self._unpoint_snapshot(template)
             (self._pending / template.template_id).unlink(missing_ok=True)
         shutil.rmtree(trash, ignore_errors=True)
         log.info("deleted template %s", template.template_id)

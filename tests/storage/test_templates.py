@@ -115,7 +115,10 @@ def test_add_list_resolve_delete_round_trip(tmp_path: Path, store: TemplateStore
     store.delete("tpl-b")
     assert store.list() == []
     assert sorted(p.name for p in store.root.iterdir()) == [".aliases", ".lock", ".share-pending"]
-    assert [p.name for p in (store.root / ".aliases").iterdir()] == [".complete"]
+    assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [
+        ".complete",
+        ".snapshots",
+    ]
 
 
 def test_ids_and_aliases_are_unique(tmp_path: Path, store: TemplateStore) -> None:
@@ -173,6 +176,7 @@ def test_a_crash_leaves_no_alias_pointing_at_the_wrong_template(
     assert reopened.resolve("ghost") == b
     assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [
         ".complete",
+        ".snapshots",
         "alpha",
         "ghost",
     ]
@@ -225,7 +229,31 @@ def test_an_adopted_newer_build_moves_the_aliases_it_changed(
     with pytest.raises(TemplateNotFound):
         store.resolve("old-name")
     store.delete("new-name")
-    assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [".complete"]
+    assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [
+        ".complete",
+        ".snapshots",
+    ]
+
+
+def test_the_template_a_snapshot_backs_is_one_read(tmp_path: Path, store: TemplateStore) -> None:
+    base = store.add(template_id="tpl-base", rootfs_dir=make_rootfs(tmp_path, "base"))
+    built, _ = store.put_built(
+        template_id="tpl-built", build_id="b1", aliases=["app"], base=base, snapshot_id="snap-1"
+    )
+    assert store.backing("snap-1") == built
+    assert store.backing("snap-x") is None
+    rebuilt, replaced = store.put_built(
+        template_id="tpl-built", build_id="b2", aliases=["app"], base=base, snapshot_id="snap-2"
+    )
+    assert replaced == "snap-1"
+    assert store.backing("snap-1") is None
+    assert store.backing("snap-2") == rebuilt
+    # a home from before the index: built when the store opens
+    shutil.rmtree(store.root / ".aliases")
+    assert TemplateStore(store.root).backing("snap-2") == rebuilt
+    store.delete("app")
+    assert store.backing("snap-2") is None
+    assert list((store.root / ".aliases" / ".snapshots").iterdir()) == []
 
 
 @pytest.mark.parametrize("bad", UNSAFE)
