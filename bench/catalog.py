@@ -290,7 +290,9 @@ async def measure_lookups(homes: dict[str, Home], samples: int, seed: int) -> di
         opened = {label: await _open_stores(h.path, nursery) for label, h in homes.items()}
         rng = random.Random(seed)
 
-        async def run(name: str, size: Callable[[Home], int], fn: Any) -> None:
+        async def run(
+            name: str, size: Callable[[Home], int], fn: Any, *, samples: int = samples
+        ) -> None:
             for _ in range(samples):
                 for label, home in homes.items():
                     images, templates, snapshots = opened[label]
@@ -364,6 +366,20 @@ async def measure_lookups(homes: dict[str, Home], samples: int, seed: int) -> di
             create_from_image,
         )
         await run("create path: template name -> warm snapshot", n_templates, create_from_name)
+
+        async def load_names(
+            images: ImageStore, templates: TemplateStore, snapshots: Snapshots, n: int
+        ) -> object:
+            # what a cluster node measures every 3 s for gossip (aenv.cluster.measure_load)
+            names = await trio.to_thread.run_sync(templates.names, 100)
+            return names + await snapshots.names(100)
+
+        await run(
+            "cluster load: first 100 template and snapshot names (every 3 s)",
+            lambda h: 1,
+            load_names,
+            samples=max(1, samples // 100),
+        )
         nursery.cancel_scope.cancel()
     return {label: {name: stats(ns) for name, ns in t.items()} for label, t in times.items()}
 
