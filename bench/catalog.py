@@ -375,7 +375,7 @@ async def measure_lookups(homes: dict[str, Home], samples: int, seed: int) -> di
             return names + await snapshots.names(100)
 
         await run(
-            "cluster load: first 100 template and snapshot names (every 3 s)",
+            "cluster load: first 100 template and snapshot names (every 3 s, nothing changed)",
             lambda h: 1,
             load_names,
             samples=max(1, samples // 100),

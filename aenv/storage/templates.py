@@ -68,6 +68,9 @@ _ALIASES_COMPLETE = ".complete"  # in ALIASES_DIR once it holds every alias
 # whose sandboxes restore that snapshot (built and swapped with the aliases).
 _SNAPSHOTS_SUBDIR = ".snapshots"
 _T = TypeVar("_T")
+# `names` lists the directories again after this long even if their stamps say
+# nothing changed (a change within a timestamp's granularity)
+_NAMES_KEPT_S = 60.0
 
 
 class TemplateNotFound(LookupError):
@@ -363,6 +366,7 @@ class TemplateStore:
         self._aliases = root / ALIASES_DIR
         self._snapshots = self._aliases / _SNAPSHOTS_SUBDIR
         self._pending = root / SHARE_PENDING_DIR
+        self._names: tuple[list[int], int, float, list[str]] | None = None
         root.mkdir(parents=True, exist_ok=True)
         self._pending.mkdir(exist_ok=True)
         with self._locked():
@@ -504,13 +508,28 @@ class TemplateStore:
 
     def names(self, limit: int) -> list[str]:
         """The first `limit` template IDs and aliases in sorted order, from directory
-        entries alone (no template is read: cheap enough to gossip every few
-        seconds with a hundred thousand templates)."""
+        entries alone (no template is read), listed again only when a directory
+        changed or `_NAMES_KEPT_S` passed: two stats when nothing changed, so a
+        node with a hundred thousand templates can gossip them every few seconds."""
+        stamp = []
+        for where in (self.root, self._aliases):
+            st = os.stat(where)
+            stamp += [st.st_mtime_ns, st.st_nlink, st.st_size]
+        cached = self._names
+        if (
+            cached is not None
+            and cached[0] == stamp
+            and cached[1] >= limit
+            and time.monotonic() - cached[2] < _NAMES_KEPT_S
+        ):
+            return cached[3][:limit]
         found: set[str] = set()
         for where in (self.root, self._aliases):
             with os.scandir(where) as it:
                 found.update(e.name for e in it if not e.name.startswith("."))
-        return heapq.nsmallest(limit, (n for n in found if NAME_RE.fullmatch(n)))
+        names = heapq.nsmallest(limit, (n for n in found if NAME_RE.fullmatch(n)))
+        self._names = (stamp, limit, time.monotonic(), names)
+        return names
 
     def list(self) -> list[Template]:
         """Every valid template, sorted by ID."""

@@ -210,6 +210,11 @@ def test_names_are_the_first_ids_and_aliases_without_reading_templates(
     (store.root / "tpl-a" / "template.json").write_text("unreadable")  # never read
     assert store.names(10) == ["aa", "mm", "tpl-a", "tpl-b", "zz"]
     assert store.names(2) == ["aa", "mm"]
+    # listed again once a template or an alias comes or goes
+    store.add(template_id="tpl-c", rootfs_dir=make_rootfs(tmp_path, "c"), aliases=["ab"])
+    assert store.names(3) == ["aa", "ab", "mm"]
+    store.delete("tpl-b")
+    assert store.names(10) == ["aa", "ab", "mm", "tpl-a", "tpl-c"]
 
 
 def test_an_adopted_newer_build_moves_the_aliases_it_changed(
