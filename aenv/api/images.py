@@ -15,7 +15,7 @@ import shlex
 from typing import Any
 
 import trio
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from aenv.api.common import ApiError, deps, json_response, read_body
 from aenv.images.store import ImageRecord, PullError
@@ -31,7 +31,17 @@ bp = Blueprint("images", __name__)
 
 @bp.get("/images")
 async def images_list() -> Response:
-    records = await trio.to_thread.run_sync(deps().node.images.store.records)
+    """The pulled images, newest first; `?limit=N&offset=M` for a page of them."""
+    try:
+        limit = int(request.args["limit"]) if "limit" in request.args else None
+        offset = int(request.args.get("offset", 0))
+    except ValueError:
+        raise ApiError(400, "limit and offset must be integers") from None
+    if (limit is not None and limit < 0) or offset < 0:
+        raise ApiError(400, "limit and offset must not be negative")
+    records = await trio.to_thread.run_sync(
+        functools.partial(deps().node.images.store.records, limit=limit, offset=offset)
+    )
     return json_response([r.to_api() for r in records])
 
 

@@ -106,7 +106,7 @@ async def template_delete(template_id: str) -> Response:
         raise ApiError(409, f"template {template_id!r} is in use by running sandboxes")
     await node.warmer.forget(t.template_id)  # the template's own snapshots go first
     await node.builds.forget_cache(t)  # and the cached build steps made for it or on it
-    if any(doc.get("templateID") == t.template_id for doc in await node.snapshots.list()):
+    if await node.snapshots.of_template(t.template_id):
         raise ApiError(409, f"template {template_id!r} is the base of stored snapshots")
     await trio.to_thread.run_sync(node.templates.delete, t.template_id)
     await node.durable.unshare_template(t.template_id)

@@ -33,7 +33,6 @@ from aenv.cluster.leases import Ownership, OwnershipError
 from aenv.cluster.router import Peer
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.pressure import read_meminfo
-from aenv.node.snapshots import is_internal
 from aenv.proto import placement
 from aenv.proto.ids import InvalidName, owner_tag
 from aenv.storage.objstore import StoreError
@@ -84,12 +83,18 @@ def host_id() -> str:
         return ""
 
 
+LOAD_NAMES = 100  # template and snapshot names measured (as many as are gossiped)
+
+
 async def measure_load(node: Node, *, draining: bool = False) -> placement.NodeLoad:
     """This node's capacity and load, to gossip: memory, CPU, sandboxes, disk, and
     the templates and snapshots it holds (reads of /proc: cheap)."""
     available, total = read_meminfo()
     st = os.statvfs(node.config.home)
-    snapshots = [d for d in await node.snapshots.list() if not is_internal(d)]
+    # the first names in sorted order, as many as are gossiped, read from indexes:
+    # a node with 100,000 templates must not read them all every few seconds
+    names = await trio.to_thread.run_sync(node.templates.names, LOAD_NAMES)
+    names += await node.snapshots.names(LOAD_NAMES)
     return placement.NodeLoad(
         node=node.config.effective_node_id,
         mem_total=total,
@@ -99,10 +104,7 @@ async def measure_load(node: Node, *, draining: bool = False) -> placement.NodeL
         sandboxes=node.statistics()["sandboxes"],
         max_sandboxes=node.config.max_sandboxes,
         disk_free=st.f_bavail * st.f_frsize,
-        templates=frozenset(
-            [name for t in node.templates.list() for name in (t.template_id, *t.aliases)]
-            + [str(n) for d in snapshots for n in (d["snapshotID"], *(d.get("names") or ()))]
-        ),
+        templates=frozenset(sorted(set(names))[:LOAD_NAMES]),
         draining=draining,
         host=host_id(),
         volumes=frozenset(x for v in node.volumes.all() for x in (v.volume_id, v.name)),

@@ -5,9 +5,11 @@ converted before: the blob streams from the registry into a
 `LayerConverter` in a worker thread, whose chunks land in the bounded
 `ChunkCache` and whose `LayerIndex` is written under `<root>/layers/` only
 once the blob's digest has been verified. The image record (reference,
-manifest digest, config, layer digests) is written last, atomically, under
-`<root>/records/`, so a failed or cancelled pull leaves no image behind;
-chunks it cached are ordinary cache entries that age out.
+manifest digest, config, layer digests) is written last, in one transaction,
+to the `ImageCatalog` (`<root>/catalog.db`, indexed by reference, digest and
+layer, so no lookup reads every record), so a failed or cancelled pull
+leaves no image behind; chunks it cached are ordinary cache entries that
+age out.
 
 With an object store (`use_object_store`), converted layers are shared:
 each is uploaded in the background once its image is recorded (chunks, then
@@ -27,7 +29,7 @@ blob where they can. Layer indexes are small metadata and are never evicted.
 from __future__ import annotations
 
 import bisect
-import json
+import dataclasses
 import logging
 import platform as platform_module
 import time
@@ -40,6 +42,7 @@ from typing import Any
 import trio
 
 from aenv.images.cache import ChunkCache
+from aenv.images.catalog import CatalogEntry, ImageCatalog
 from aenv.images.convert import ChunkCutter, ConversionError, LayerConverter
 from aenv.images.objects import ChunkSink, ChunkStore, LayerOrphaned, LayerUploads, layer_key
 from aenv.images.registry import RegistryClient, RegistryError
@@ -62,6 +65,7 @@ __all__ = [
 log = logging.getLogger("aenv.images")
 
 RECORD_VERSION = 1
+CATALOG_FILE = "catalog.db"
 _FEED_BYTES = 1 << 20  # hand the converter at least this much per thread hop
 _BATCH_WINDOW_S = 0.005  # misses on one layer this close together share a pass
 _READ_AHEAD_BYTES = 32 << 20  # cut this much more of a layer in a re-fetch pass
@@ -181,6 +185,11 @@ class ImageRecord:
 _ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
+def _from_entry(entry: CatalogEntry) -> ImageRecord:
+    record = ImageRecord.from_json(entry.doc)
+    return dataclasses.replace(record, references=entry.references)
+
+
 def host_platform() -> str:
     """The OCI platform of this machine ("linux/amd64", "linux/arm64")."""
     machine = platform_module.machine().lower()
@@ -236,13 +245,11 @@ class ImageStore:
         self.cache = cache
         self.registry = registry
         self._limiter = convert_limiter or trio.CapacityLimiter(2)
-        (root / "records").mkdir(parents=True, exist_ok=True)
         (root / "layers").mkdir(parents=True, exist_ok=True)
-        for stray in (
-            *root.joinpath("records").glob(".*.tmp"),
-            *root.joinpath("layers").glob(".*.tmp"),
-        ):
+        for stray in root.joinpath("layers").glob(".*.tmp"):
             stray.unlink(missing_ok=True)
+        self.catalog = ImageCatalog(root / CATALOG_FILE)
+        self.catalog.import_legacy(root / "records")  # a home from before the catalog
         self._trees: dict[str, ImageTree] = {}
         self._layer_locks: dict[str, trio.Lock] = {}
         self._pull_locks: dict[str, trio.Lock] = {}
@@ -285,32 +292,35 @@ class ImageStore:
 
     # -- records -------------------------------------------------------------
 
-    def records(self) -> list[ImageRecord]:
-        """Every pulled image, newest first (blocking: small JSON files)."""
+    def records(self, *, limit: int | None = None, offset: int = 0) -> list[ImageRecord]:
+        """Pulled images, newest first: `limit` of them from `offset` (None: all;
+        blocking). For listings only: lookups use `find`, `record` and `_source`."""
         found = []
-        for path in (self.root / "records").glob("*.json"):
+        for entry in self.catalog.page(limit=limit, offset=offset):
             try:
-                found.append(ImageRecord.from_json(json.loads(path.read_bytes())))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("skipping image record %s: %s", path.name, exc)
-        return sorted(found, key=lambda r: r.pulled_at, reverse=True)
+                found.append(_from_entry(entry))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("skipping image record %s: %s", entry.key, exc)
+        return found
 
     def find(self, ref: ImageRef | str) -> ImageRecord | None:
-        """The newest record pulled as this reference (or with this digest), else None."""
+        """The image this reference names (by its digest if it has one: the newest
+        pull with that manifest digest; else the last image recorded under it), or
+        None (blocking: one indexed lookup)."""
         ref = parse_reference(ref) if isinstance(ref, str) else ref
-        for record in self.records():
-            if ref.digest and record.manifest_digest == ref.digest:
-                return record
-            if not ref.digest and str(ref) in (record.references or (record.reference,)):
-                return record
-        return None
+        entry = self.catalog.by_digest(ref.digest) if ref.digest else None
+        if not ref.digest:
+            entry = self.catalog.by_reference(str(ref))
+        return None if entry is None else _from_entry(entry)
 
     def record(self, key: str) -> ImageRecord:
         try:
-            raw = (self.root / "records" / f"{_hex('sha256:' + key)}.json").read_bytes()
-        except (OSError, ValueError):
-            raise ImageNotPulled(f"image {key!r} is not on this node") from None
-        return ImageRecord.from_json(json.loads(raw))
+            entry = self.catalog.get(_hex("sha256:" + key))
+        except ValueError:
+            entry = None
+        if entry is None:
+            raise ImageNotPulled(f"image {key!r} is not on this node")
+        return _from_entry(entry)
 
     # -- pulling -------------------------------------------------------------
 
@@ -427,23 +437,15 @@ class ImageStore:
         return record
 
     def _save_record(self, record: ImageRecord) -> None:
-        path = self.root / "records" / f"{record.key}.json"
-        refs = [record.reference]
-        try:
-            old = ImageRecord.from_json(json.loads(path.read_bytes()))
-            refs += [r for r in (old.references or (old.reference,)) if r not in refs]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        # A tag moves: no other record keeps claiming it.
-        for other in self.records():
-            if other.key != record.key and record.reference in other.references:
-                kept = tuple(r for r in other.references if r != record.reference)
-                doc = other.to_json() | {"references": list(kept or ("",))}
-                if not kept:
-                    doc["references"] = []
-                write_atomic(self.root / "records" / f"{other.key}.json", json.dumps(doc).encode())
-        doc = record.to_json() | {"references": refs}
-        write_atomic(path, json.dumps(doc, indent=1).encode())
+        """Record `record`: it takes its reference from any other image (a tag
+        moves) and keeps the ones it had (blocking)."""
+        self.catalog.put(
+            key=record.key,
+            digest=record.manifest_digest,
+            pulled_at=record.pulled_at,
+            doc=record.to_json(),
+            claim=record.reference,
+        )
 
     def adopt(self, record: ImageRecord, indexes: dict[str, bytes]) -> None:
         """Record an image another node pulled, from its record and layer indexes
@@ -586,12 +588,12 @@ class ImageStore:
     # -- re-fetching evicted chunks -------------------------------------------
 
     def _source(self, layer: str) -> ImageRef:
-        for record in self.records():
-            if layer in record.layers:
-                return parse_reference(
-                    f"{record.registry}/{record.repository}@{record.manifest_digest}"
-                )
-        raise ImageNotPulled(f"no pulled image has layer {layer}")
+        """Where `layer`'s blob can be fetched again: the newest image that has it."""
+        entry = self.catalog.by_layer(layer)
+        if entry is None:
+            raise ImageNotPulled(f"no pulled image has layer {layer}")
+        record = _from_entry(entry)
+        return parse_reference(f"{record.registry}/{record.repository}@{record.manifest_digest}")
 
     async def fetch_chunk(self, chunk: Chunk, layer: str) -> bytes:
         """`chunk`'s bytes from the object store, else cut again from `layer`'s blob.

@@ -301,11 +301,11 @@ class Builds:
 
     async def backing(self, snapshot_id: str) -> Template | None:
         """The template whose sandboxes restore `snapshot_id` (as its current
-        build or a tagged one), if any."""
-        templates = await trio.to_thread.run_sync(self.node.templates.list)
-        for t in templates:
-            if t.snapshot_id == snapshot_id:
-                return t
+        build, found by the index, or a tagged one), if any."""
+        found = await trio.to_thread.run_sync(self.node.templates.backing, snapshot_id)
+        if found is not None:
+            return found
+        for t in await trio.to_thread.run_sync(self.node.templates.list):
             if snapshot_id in await trio.to_thread.run_sync(self.tags.snapshots, t.template_id):
                 return t
         return None

@@ -71,12 +71,18 @@ from aenv.proto.layerindex import loads as load_index
 from aenv.storage.layers import LayerError, LayerStore
 from aenv.storage.metadata import Metadata
 from aenv.storage.objstore import (
-    ObjectNotFound,
     ObjectStore,
     StoreError,
     StoreUnavailable,
     content_digest,
     open_object_store,
+)
+from aenv.storage.sharedtemplates import (
+    find_template,
+    index_aliases,
+    put_template,
+    template_key,
+    template_record,
 )
 from aenv.storage.snapstore import (
     GcReport,
@@ -102,12 +108,7 @@ from aenv.storage.templates import (
 
 log = logging.getLogger("aenv.durable")
 
-TEMPLATE_PREFIX = "templates"
 IMAGE_RECORD_PREFIX = "images/records"
-
-
-def template_key(template_id: str) -> str:
-    return f"{TEMPLATE_PREFIX}/{template_id}.json"
 
 
 def image_record_key(key: str) -> str:
@@ -192,13 +193,20 @@ class Durable:
 
     async def resume(self) -> None:
         """Restart the uploads and template shares an earlier node process left unfinished."""
-        for doc in await self._snapshots.list():
+        for doc in await self._snapshots.uploading():
             if doc.get("storage") == "uploading":
                 if self.store is None:
                     await self._snapshots.update(str(doc["snapshotID"]), storage="local")
                     continue
                 log.info("resuming the upload of snapshot %s", doc["snapshotID"])
                 self.spawn(doc)
+        if self.store is not None:  # templates shared by nodes from before the alias index
+            store = self.store
+
+            async def index(_stop: StopToken) -> None:
+                await index_aliases(store)
+
+            self._job("index template aliases", index)
         if self.store is not None:  # after the uploads: a built template waits for its snapshot
             for template in await trio.to_thread.run_sync(self._templates.share_pending):
                 log.info("resuming the share of template %s", template.template_id)
@@ -278,7 +286,11 @@ class Durable:
             stored = await trio.to_thread.run_sync(layers.stored_index, layer.id)
             stack.append(LocalLayer(id=layer.id, below=layer.below, tree=layer.path, index=stored))
         image = Path(doc["image"]) if doc.get("image") else None
-        bases = image_bases(doc, await self._snapshots.list()) if image is not None else []
+        bases = (
+            image_bases(doc, await self._snapshots.of_template(str(doc.get("templateID"))))
+            if image is not None
+            else []
+        )
         return await upload_snapshot(
             self.store,
             snapshot_id=str(doc["snapshotID"]),
@@ -347,7 +359,7 @@ class Durable:
                         body = json.dumps(record.to_json()).encode()
                         await self.store.put(image_record_key(record.key), body)
                 body = json.dumps(template.to_json()).encode()
-                await self.store.put(template_key(template.template_id), body)
+                await put_template(self.store, template.template_id, body, template.aliases)
                 break
             except StoreError as exc:
                 log.warning("sharing template %s failed, retrying: %s", template.template_id, exc)
@@ -378,19 +390,12 @@ class Durable:
             check_name(name, "template name")
         except InvalidName:
             return None
-        found = await self._template_record(template_key(name))  # by ID: one object
-        if found is not None and found[1].get("templateID") == name:
-            return await self._adopt_template(*found)
         try:
-            infos = await self.store.list(TEMPLATE_PREFIX + "/")  # by alias: look through all
+            found = await find_template(self.store, name)  # by ID, else by alias: a few reads
         except StoreError as exc:
             log.warning("cannot look up template %r in the object store: %s", name, exc)
             return None
-        for info in infos:
-            found = await self._template_record(info.key)
-            if found is not None and name in (found[1].get("aliases") or ()):
-                return await self._adopt_template(*found)
-        return None
+        return None if found is None else await self._adopt_template(*found)
 
     async def fresh_template(self, template: Template) -> Template:
         """`template`, or the newer build of it another node shared since (a
@@ -417,11 +422,8 @@ class Durable:
         """A template record from the store, raw and parsed; None if absent or unreadable."""
         assert self.store is not None
         try:
-            raw = await self.store.get(key)
-            return raw, json.loads(raw)
-        except ObjectNotFound:
-            return None
-        except (StoreError, ValueError) as exc:
+            return await template_record(self.store, key)
+        except StoreError as exc:
             log.warning("template record %s in the object store: %s", key, exc)
             return None
 

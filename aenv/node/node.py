@@ -851,7 +851,7 @@ class Node:
         from aenv.node.sandbox import CopyPaused, PausedCopy
 
         actor = self.get(sandbox_id)
-        for old in await self.snapshots.list():  # this pause's copy, made earlier
+        for old in await self.snapshots.taken_from(sandbox_id):  # this pause's copy, made earlier
             if is_paused_copy(old) and old.get("pausedKey") == actor.paused_key():
                 if old.get("storage") == "uploading":
                     self.durable.spawn(old)

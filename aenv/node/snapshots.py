@@ -244,7 +244,24 @@ class Snapshots:
         await trio.to_thread.run_sync(_verify, image, dict(doc.get("checksums") or {}))
         return image
 
+    async def of_template(self, template_id: str) -> list[dict[str, Any]]:
+        """The snapshots of `template_id`'s sandboxes (its own ones included)."""
+        return await self.meta.run(self.meta.store.snapshots_of_template, template_id)
+
+    async def taken_from(self, sandbox_id: str) -> list[dict[str, Any]]:
+        """The snapshots taken of sandbox `sandbox_id` (its paused copies included)."""
+        return await self.meta.run(self.meta.store.snapshots_from, sandbox_id)
+
+    async def uploading(self) -> list[dict[str, Any]]:
+        """The snapshots whose upload has not finished."""
+        return await self.meta.run(self.meta.store.snapshots_uploading)
+
+    async def names(self, limit: int) -> list[str]:
+        """The first `limit` IDs and names (sorted) of snapshots a user made."""
+        return await self.meta.run(self.meta.store.snapshot_names, limit)
+
     async def list(self) -> list[dict[str, Any]]:
+        """Every snapshot (listings and sweeps; lookups use the indexed calls)."""
         return await self.meta.run(self.meta.store.list_snapshots)
 
     async def delete(self, snap_id: str, *, local_only: bool = False) -> None:
@@ -256,7 +273,7 @@ class Snapshots:
             await self.on_delete(doc)
 
     async def layer_ids(self) -> set[str]:
-        return {lid for d in await self.list() for lid in d.get("layers", [])}
+        return await self.meta.run(self.meta.store.snapshot_layer_ids)
 
 
 async def record_capture(

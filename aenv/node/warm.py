@@ -125,6 +125,6 @@ class Warmer:
 
     async def forget(self, template_id: str) -> None:
         """Delete every snapshot a template's sandboxes were restored from."""
-        for doc in await self._snapshots.list():
-            if is_template_own(doc) and doc.get("templateID") == template_id:
+        for doc in await self._snapshots.of_template(template_id):
+            if is_template_own(doc):
                 await self._snapshots.delete(str(doc["snapshotID"]))

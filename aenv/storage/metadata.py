@@ -1,7 +1,9 @@
 """The node's embedded metadata store: SQLite, one file under $AENV_HOME.
 
 Records are small JSON documents keyed by ID in a few tables (sandboxes that
-must outlive the process, i.e. paused ones, and snapshots). Every write is
+must outlive the process, i.e. paused ones, and snapshots), with indexed
+columns for what is looked up (a snapshot's name, template and source
+sandbox), so no lookup reads every record. Every write is
 one transaction in WAL mode with `synchronous=FULL`, so a crash leaves either
 the old or the new record, never half of one. SQLite calls block, so the
 async `Metadata` wrapper runs them in a worker thread, one at a time.
@@ -36,6 +38,12 @@ CREATE TABLE IF NOT EXISTS snapshots (
 );
 CREATE INDEX IF NOT EXISTS snapshots_name ON snapshots(name, created_at);
 """
+SNAPSHOT_INDEXES = """
+CREATE INDEX IF NOT EXISTS snapshots_template ON snapshots(template_id, created_at);
+CREATE INDEX IF NOT EXISTS snapshots_source ON snapshots(source);
+CREATE INDEX IF NOT EXISTS snapshots_uploading ON snapshots(created_at)
+    WHERE json_extract(doc, '$.storage') = 'uploading';
+"""
 
 Doc = dict[str, Any]
 
@@ -52,6 +60,27 @@ class MetadataStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        self._add_snapshot_columns()
+
+    def _add_snapshot_columns(self) -> None:
+        """Index snapshots by template and by source sandbox (a file from before
+        these columns gets them, filled from the records, in one transaction)."""
+        with self._lock:
+            cols = {row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")}
+            if "template_id" not in cols:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute("ALTER TABLE snapshots ADD COLUMN template_id TEXT")
+                    self._db.execute("ALTER TABLE snapshots ADD COLUMN source TEXT")
+                    self._db.execute(
+                        "UPDATE snapshots SET template_id = json_extract(doc, '$.templateID'), "
+                        "source = json_extract(doc, '$.sourceSandboxID')"
+                    )
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            self._db.executescript(SNAPSHOT_INDEXES)
 
     def close(self) -> None:
         with self._lock:
@@ -99,10 +128,20 @@ class MetadataStore:
     # -- snapshots -----------------------------------------------------------
 
     def put_snapshot(self, snapshot_id: str, name: str | None, created_at: float, doc: Doc) -> None:
+        template_id, source = doc.get("templateID"), doc.get("sourceSandboxID")
         self._write(
-            "INSERT INTO snapshots(id, name, created_at, doc) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT(id) DO UPDATE SET name=excluded.name, doc=excluded.doc",
-            (snapshot_id, name, created_at, json.dumps(doc, sort_keys=True)),
+            "INSERT INTO snapshots(id, name, created_at, doc, template_id, source) "
+            "VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET name=excluded.name, doc=excluded.doc, "
+            "template_id=excluded.template_id, source=excluded.source",
+            (
+                snapshot_id,
+                name,
+                created_at,
+                json.dumps(doc, sort_keys=True),
+                None if template_id is None else str(template_id),
+                None if source is None else str(source),
+            ),
         )
 
     def get_snapshot(self, snapshot_id: str) -> Doc | None:
@@ -118,6 +157,51 @@ class MetadataStore:
 
     def list_snapshots(self) -> list[Doc]:
         return self._rows("SELECT doc FROM snapshots ORDER BY created_at, id")
+
+    def snapshots_of_template(self, template_id: str) -> list[Doc]:
+        """The snapshots of sandboxes of `template_id`, oldest first (indexed)."""
+        return self._rows(
+            "SELECT doc FROM snapshots WHERE template_id = ? ORDER BY created_at, id",
+            (template_id,),
+        )
+
+    def snapshots_uploading(self) -> list[Doc]:
+        """The snapshots whose upload has not finished (a partial index: as many
+        reads as there are of them)."""
+        return self._rows(
+            "SELECT doc FROM snapshots WHERE json_extract(doc, '$.storage') = 'uploading' "
+            "ORDER BY created_at"
+        )
+
+    def snapshot_layer_ids(self) -> set[str]:
+        """Every layer some snapshot stands on (for layer GC: read in SQLite, no
+        record is parsed here)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT DISTINCT j.value FROM snapshots, json_each(snapshots.doc, '$.layers') j"
+            ).fetchall()
+        return {str(r[0]) for r in rows}
+
+    def snapshot_names(self, limit: int) -> list[str]:
+        """The first `limit` IDs and names, in sorted order, of the snapshots that are
+        not the node's own (whose names start with "~"), read from indexes."""
+        own = "coalesce(json_extract(doc, '$.names[0]'), name, '') LIKE '~%'"
+        with self._lock:
+            ids = self._db.execute(
+                f"SELECT id FROM snapshots WHERE NOT {own} ORDER BY id LIMIT ?", (limit,)
+            ).fetchall()
+            names = self._db.execute(
+                "SELECT DISTINCT name FROM snapshots WHERE name IS NOT NULL "
+                "AND name NOT LIKE '~%' ORDER BY name LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return sorted({str(r[0]) for r in ids} | {str(r[0]) for r in names})[:limit]
+
+    def snapshots_from(self, sandbox_id: str) -> list[Doc]:
+        """The snapshots taken of sandbox `sandbox_id`, oldest first (indexed)."""
+        return self._rows(
+            "SELECT doc FROM snapshots WHERE source = ? ORDER BY created_at, id", (sandbox_id,)
+        )
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._write("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))

@@ -6,7 +6,9 @@ its metadata. Names from callers are validated with `check_name` before they
 touch the filesystem, and paths are always derived from the validated ID,
 never read from metadata. A template appears atomically: it is assembled in a
 hidden staging directory and renamed into place; deletion renames it away
-before removing it. A built template (`put_built`) has no root filesystem
+before removing it. Aliases are indexed in `<root>/.aliases/` (one symlink
+per alias, naming its template's ID), so resolving a name reads at most
+two templates however many there are. A built template (`put_built`) has no root filesystem
 of its own: it names the snapshot its sandboxes are restored from, over its
 base's root filesystem, and a rebuild rewrites its `template.json` in place.
 A corrupt `template.json` is logged and skipped. The
@@ -20,6 +22,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import heapq
 import json
 import logging
 import os
@@ -35,13 +38,16 @@ from typing import TypeVar
 
 from aenv.kit.files import fsync_dir, write_atomic
 from aenv.proto.envd_schema import ENVD_VERSION
-from aenv.proto.ids import InvalidName, check_name
+from aenv.proto.ids import NAME_RE, InvalidName, check_name
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "template.json"
-# In a template's directory while it is still to be put in the object store
-# (aenv.node.durable): a node that stops before the share finishes resumes it.
+# `<root>/.share-pending/<template id>` while a template is still to be put in
+# the object store (aenv.node.durable): a node that stops before the share
+# finishes resumes it. Homes from before kept it in the template's directory as
+# SHARE_PENDING_FILE; the index build moves it.
+SHARE_PENDING_DIR = ".share-pending"
 SHARE_PENDING_FILE = "share-pending"
 # In a default template's directory: the digest of its root filesystem's layer
 # index (aenv.storage.snapstore.defaults), its content identity, computed once.
@@ -55,7 +61,17 @@ _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 _LOCK_FILE = ".lock"
 _STAGING_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+# `<root>/.aliases/<alias>`: a symlink whose target is the ID of the template
+# with that alias, so resolving an alias reads one template, not all of them.
+ALIASES_DIR = ".aliases"
+_ALIASES_COMPLETE = ".complete"  # in ALIASES_DIR once it holds every alias
+# `<root>/.aliases/.snapshots/<snapshot id>`: a symlink naming the built template
+# whose sandboxes restore that snapshot (built and swapped with the aliases).
+_SNAPSHOTS_SUBDIR = ".snapshots"
 _T = TypeVar("_T")
+# `names` lists the directories again after this long even if their stamps say
+# nothing changed (a change within a timestamp's granularity)
+_NAMES_KEPT_S = 60.0
 
 
 class TemplateNotFound(LookupError):
@@ -358,12 +374,119 @@ class TemplateStore:
         self.root = root
         # Where image templates' trees appear (the node's image mount).
         self.image_root = image_root
+        self._aliases = root / ALIASES_DIR
+        self._snapshots = self._aliases / _SNAPSHOTS_SUBDIR
+        self._pending = root / SHARE_PENDING_DIR
+        self._names: tuple[list[int], int, float, list[str]] | None = None
         root.mkdir(parents=True, exist_ok=True)
+        self._pending.mkdir(exist_ok=True)
         with self._locked():
             for leftover in root.iterdir():
                 if leftover.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)):
                     log.info("removing leftover %s", leftover)
                     shutil.rmtree(leftover, ignore_errors=True)
+            if not (self._aliases / _ALIASES_COMPLETE).exists():
+                self._index_aliases()
+            self._snapshots.mkdir(exist_ok=True)
+
+    # -- the alias index -----------------------------------------------------
+    #
+    # A pointer is written (and its directory synced) before the template that
+    # names the alias appears, and removed after it goes, all under the lock;
+    # `resolve` believes a pointer only if the template it leads to lists the
+    # alias. So a crash anywhere leaves every alias findable, and at worst a
+    # stale pointer that nothing believes and the next writer replaces.
+
+    def _index_aliases(self) -> None:
+        """Build the alias index from every template, and move share markers from
+        template directories to SHARE_PENDING_DIR (a home from before these, or
+        one whose build a crash interrupted; hold the lock)."""
+        staging = self.root / f"{_STAGING_PREFIX}aliases-{secrets.token_hex(4)}"
+        staging.mkdir()
+        (staging / _SNAPSHOTS_SUBDIR).mkdir()
+        count = 0
+        moved: list[Path] = []
+        for template in self.list():
+            for alias in template.aliases:
+                with contextlib.suppress(FileExistsError):  # the first by ID keeps it
+                    os.symlink(template.template_id, staging / alias)
+                    count += 1
+            if template.snapshot_id is not None:
+                with contextlib.suppress(FileExistsError):
+                    os.symlink(
+                        template.template_id, staging / _SNAPSHOTS_SUBDIR / template.snapshot_id
+                    )
+            old_marker = self.root / template.template_id / SHARE_PENDING_FILE
+            if old_marker.exists():
+                (self._pending / template.template_id).touch()
+                moved.append(old_marker)
+        if moved:
+            fsync_dir(self._pending)
+            for old_marker in moved:
+                old_marker.unlink()
+        (staging / _ALIASES_COMPLETE).touch()
+        fsync_dir(staging / _SNAPSHOTS_SUBDIR)
+        fsync_dir(staging)
+        if self._aliases.exists():
+            os.rename(self._aliases, self.root / f"{_TRASH_PREFIX}aliases-{secrets.token_hex(4)}")
+        os.rename(staging, self._aliases)
+        fsync_dir(self.root)
+        for trash in self.root.glob(f"{_TRASH_PREFIX}aliases-*"):
+            shutil.rmtree(trash, ignore_errors=True)
+        log.info("indexed %d template aliases", count)
+
+    def _pointer(self, name: str, where: Path | None = None) -> str | None:
+        try:
+            return os.readlink((where or self._aliases) / name)
+        except OSError:
+            return None
+
+    def backing(self, snapshot_id: str) -> Template | None:
+        """The built template whose sandboxes restore `snapshot_id`, if any (one read)."""
+        target = self._pointer(snapshot_id, self._snapshots)
+        if target is None or NAME_RE.fullmatch(target) is None:
+            return None
+        template = self._load(target)
+        return template if template is not None and template.snapshot_id == snapshot_id else None
+
+    def _by_alias(self, alias: str) -> Template | None:
+        target = self._pointer(alias)
+        if target is None:
+            return None
+        try:
+            check_name(target)
+        except InvalidName:
+            return None
+        template = self._load(target)
+        return template if template is not None and alias in template.aliases else None
+
+    def _point(self, aliases: Sequence[str], template_id: str, where: Path | None = None) -> None:
+        """Make `aliases` (or snapshot IDs, `where` given) lead to `template_id`
+        (durably; hold the lock)."""
+        where = where or self._aliases
+        if not aliases:
+            return
+        for alias in aliases:
+            tmp = where / f".{alias}.{secrets.token_hex(4)}.tmp"
+            os.symlink(template_id, tmp)
+            os.replace(tmp, where / alias)
+        fsync_dir(where)
+
+    def _unpoint(self, aliases: Sequence[str], template_id: str, where: Path | None = None) -> None:
+        """Remove the pointers of `aliases` that lead to `template_id` (hold the lock)."""
+        where = where or self._aliases
+        for alias in aliases:
+            if self._pointer(alias, where) == template_id:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(where / alias)
+
+    def _point_snapshot(self, template: Template) -> None:
+        if template.snapshot_id is not None:
+            self._point([template.snapshot_id], template.template_id, self._snapshots)
+
+    def _unpoint_snapshot(self, template: Template | None, keep: str | None = None) -> None:
+        if template is not None and template.snapshot_id not in (None, keep):
+            self._unpoint([str(template.snapshot_id)], template.template_id, self._snapshots)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -394,6 +517,31 @@ class TemplateStore:
             log.warning("skipping template %r: corrupt %s: %s", template_id, METADATA_FILE, exc)
             return None
 
+    def names(self, limit: int) -> list[str]:
+        """The first `limit` template IDs and aliases in sorted order, from directory
+        entries alone (no template is read), listed again only when a directory
+        changed or `_NAMES_KEPT_S` passed: two stats when nothing changed, so a
+        node with a hundred thousand templates can gossip them every few seconds."""
+        stamp = []
+        for where in (self.root, self._aliases):
+            st = os.stat(where)
+            stamp += [st.st_mtime_ns, st.st_nlink, st.st_size]
+        cached = self._names
+        if (
+            cached is not None
+            and cached[0] == stamp
+            and cached[1] >= limit
+            and time.monotonic() - cached[2] < _NAMES_KEPT_S
+        ):
+            return cached[3][:limit]
+        found: set[str] = set()
+        for where in (self.root, self._aliases):
+            with os.scandir(where) as it:
+                found.update(e.name for e in it if not e.name.startswith("."))
+        names = heapq.nsmallest(limit, (n for n in found if NAME_RE.fullmatch(n)))
+        self._names = (stamp, limit, time.monotonic(), names)
+        return names
+
     def list(self) -> list[Template]:
         """Every valid template, sorted by ID."""
         found = []
@@ -407,14 +555,12 @@ class TemplateStore:
         return found
 
     def resolve(self, name_or_id: str) -> Template:
-        """The template with this ID, else the one with this alias."""
+        """The template with this ID, else the one with this alias (at most two
+        template reads, however many templates there are)."""
         check_name(name_or_id, "template name")
-        template = self._load(name_or_id)
+        template = self._load(name_or_id) or self._by_alias(name_or_id)
         if template is not None:
             return template
-        for candidate in self.list():
-            if name_or_id in candidate.aliases:
-                return candidate
         raise TemplateNotFound(f"template {name_or_id!r} not found")
 
     def _check_new(
@@ -430,16 +576,14 @@ class TemplateStore:
 
     def _check_free(self, template_id: str, aliases: tuple[str, ...]) -> None:
         """Raise TemplateConflict if the ID or an alias is taken (hold the lock)."""
-        taken_ids: set[str] = set()
-        taken_aliases: set[str] = set()
-        for entry in self.root.iterdir():
-            if not entry.name.startswith("."):
-                taken_ids.add(entry.name)
-        for other in self.list():
-            taken_aliases.update(other.aliases)
-        if template_id in taken_ids or template_id in taken_aliases:
+
+        def taken(name: str) -> bool:
+            path = self.root / name
+            return path.exists() or path.is_symlink() or self._by_alias(name) is not None
+
+        if taken(template_id):
             raise TemplateConflict(f"template {template_id!r} already exists")
-        clash = [a for a in aliases if a in taken_aliases or a in taken_ids]
+        clash = [a for a in aliases if taken(a)]
         if clash:
             raise TemplateConflict(f"alias {clash[0]!r} is already taken")
 
@@ -483,6 +627,7 @@ class TemplateStore:
                 _move_tree(rootfs_dir, staging / ROOTFS_DIR)
                 moved = True
                 _write_json_atomic(staging / METADATA_FILE, template.to_json())
+                self._point(clean_aliases, template_id)
                 os.rename(staging, template_dir)
                 fsync_dir(self.root)
             except BaseException:
@@ -596,7 +741,9 @@ class TemplateStore:
                 sandbox_disk_mb=sandbox_disk_mb,
             )
             if old is not None:
+                self._point_snapshot(template)
                 _write_json_atomic(self.root / template_id / METADATA_FILE, template.to_json())
+                self._unpoint_snapshot(old, keep=snapshot_id)
             else:
                 self._publish(template)
         log.info("template %s: build %s ready (snapshot %s)", template_id, build_id, snapshot_id)
@@ -611,6 +758,8 @@ class TemplateStore:
         old = self.root / f"{_STAGING_PREFIX}{template.template_id}-old-{secrets.token_hex(4)}"
         try:
             _write_json_atomic(staging / METADATA_FILE, template.to_json())
+            self._point(template.aliases, template.template_id)
+            self._point_snapshot(template)
             if target.exists():
                 os.rename(target, old)
             os.rename(staging, target)
@@ -649,6 +798,11 @@ class TemplateStore:
             if existing is None:
                 self._check_free(template_id, template.aliases)
             self._publish(template)
+            if existing is not None:
+                self._unpoint(
+                    [a for a in existing.aliases if a not in template.aliases], template_id
+                )
+                self._unpoint_snapshot(existing, keep=template.snapshot_id)
         log.info(
             "adopted %s template %s from the object store",
             "a newer build of" if newer else "",
@@ -658,9 +812,9 @@ class TemplateStore:
 
     def mark_share_pending(self, template_id: str, pending: bool) -> None:
         """Record (or clear) that the template is still to be put in the object store."""
-        marker = self.root / check_name(template_id) / SHARE_PENDING_FILE
+        marker = self._pending / check_name(template_id)
         if pending:
-            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+            if (self.root / template_id).is_dir():  # not deleted meanwhile
                 write_atomic(marker, b"")
         else:
             with contextlib.suppress(FileNotFoundError):
@@ -668,8 +822,14 @@ class TemplateStore:
                 fsync_dir(marker.parent)
 
     def share_pending(self) -> Sequence[Template]:
-        """The templates whose share was asked for and has not finished."""
-        return [t for t in self.list() if (self.root / t.template_id / SHARE_PENDING_FILE).exists()]
+        """The templates whose share was asked for and has not finished (only
+        those are read; a marker of a deleted template is skipped)."""
+        found = []
+        for entry in sorted(self._pending.iterdir()):
+            with contextlib.suppress(InvalidName):
+                if (template := self._load(check_name(entry.name))) is not None:
+                    found.append(template)
+        return found
 
     def rootfs_index(self, template_id: str) -> str | None:
         """The recorded digest of the template's root filesystem index, if any."""
@@ -703,5 +863,8 @@ class TemplateStore:
             trash = self.root / f"{_TRASH_PREFIX}{template.template_id}-{secrets.token_hex(4)}"
             os.rename(self.root / template.template_id, trash)
             fsync_dir(self.root)
+            self._unpoint(template.aliases, template.template_id)
+            self._unpoint_snapshot(template)
+            (self._pending / template.template_id).unlink(missing_ok=True)
         shutil.rmtree(trash, ignore_errors=True)
         log.info("deleted template %s", template.template_id)

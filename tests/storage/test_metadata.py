@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from pathlib import Path
 
 from aenv.storage.metadata import Metadata, MetadataStore
@@ -37,3 +39,63 @@ async def test_async_wrapper(tmp_path: Path) -> None:
     m = Metadata(MetadataStore(tmp_path / "m.db"))
     await m.run(m.store.put_sandbox, "x", "paused", {"id": "x"}, 1.0)
     assert await m.run(m.store.get_sandbox, "x") == {"id": "x"}
+
+
+def test_snapshots_by_template_and_source_in_a_file_from_before_those_columns(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "m.db"
+    old = sqlite3.connect(db)  # the schema and rows of a node from before the index
+    old.executescript(
+        "CREATE TABLE snapshots (id TEXT PRIMARY KEY, name TEXT, "
+        "created_at REAL NOT NULL, doc TEXT NOT NULL);"
+    )
+    for i, (template, source) in enumerate([("t1", "sb-a"), ("t2", "sb-a"), ("t1", "sb-b")]):
+        doc = {"id": f"s{i}", "templateID": template, "sourceSandboxID": source}
+        old.execute(
+            "INSERT INTO snapshots VALUES (?, NULL, ?, ?)", (f"s{i}", float(i), json.dumps(doc))
+        )
+    old.commit()
+    old.close()
+    s = MetadataStore(db)
+    assert [d["id"] for d in s.snapshots_of_template("t1")] == ["s0", "s2"]
+    assert [d["id"] for d in s.snapshots_from("sb-a")] == ["s0", "s1"]
+    s.put_snapshot("s3", None, 3.0, {"id": "s3", "templateID": "t2", "sourceSandboxID": "sb-b"})
+    s.close()
+    s = MetadataStore(db)  # opened again: nothing migrated twice, new rows indexed
+    assert [d["id"] for d in s.snapshots_of_template("t2")] == ["s1", "s3"]
+    assert [d["id"] for d in s.snapshots_from("sb-b")] == ["s2", "s3"]
+    assert s.snapshots_of_template("t3") == []
+    plan = s._db.execute(
+        "EXPLAIN QUERY PLAN SELECT doc FROM snapshots WHERE template_id = ?", ("t1",)
+    ).fetchall()
+    assert "snapshots_template" in str(plan)  # a lookup, not a scan
+
+
+def test_uploading_snapshots_and_layers_are_read_without_parsing_every_record(
+    tmp_path: Path,
+) -> None:
+    s = MetadataStore(tmp_path / "m.db")
+    for i, storage in enumerate(["local", "uploading", "durable", "uploading"]):
+        doc = {"id": f"s{i}", "storage": storage, "layers": [f"l{i}", "l-shared"]}
+        s.put_snapshot(f"s{i}", None, float(i), doc)
+    assert [d["id"] for d in s.snapshots_uploading()] == ["s1", "s3"]
+    s.put_snapshot("s1", None, 1.0, {"id": "s1", "storage": "durable", "layers": ["l1"]})
+    assert [d["id"] for d in s.snapshots_uploading()] == ["s3"]
+    assert s.snapshot_layer_ids() == {"l0", "l1", "l2", "l3", "l-shared"}
+    plan = s._db.execute(
+        "EXPLAIN QUERY PLAN SELECT doc FROM snapshots "
+        "WHERE json_extract(doc, '$.storage') = 'uploading' ORDER BY created_at"
+    ).fetchall()
+    assert "snapshots_uploading" in str(plan)
+
+
+def test_the_first_names_of_user_snapshots_come_from_indexes(tmp_path: Path) -> None:
+    s = MetadataStore(tmp_path / "m.db")
+    s.put_snapshot("snap-b", "zeta", 1.0, {"names": ["zeta"]})
+    s.put_snapshot("snap-a", None, 2.0, {"names": []})
+    s.put_snapshot("snap-c", "zeta", 3.0, {"names": ["zeta"]})  # a second build of zeta
+    s.put_snapshot("snap-0", "~template/t@b", 4.0, {"names": ["~template/t@b"]})
+    s.put_snapshot("snap-1", None, 5.0, {"names": ["~paused/sb"]})
+    assert s.snapshot_names(10) == ["snap-a", "snap-b", "snap-c", "zeta"]
+    assert s.snapshot_names(2) == ["snap-a", "snap-b"]

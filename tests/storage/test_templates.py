@@ -114,7 +114,11 @@ def test_add_list_resolve_delete_round_trip(tmp_path: Path, store: TemplateStore
     assert store.list() == [b]
     store.delete("tpl-b")
     assert store.list() == []
-    assert sorted(p.name for p in store.root.iterdir()) == [".lock"]
+    assert sorted(p.name for p in store.root.iterdir()) == [".aliases", ".lock", ".share-pending"]
+    assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [
+        ".complete",
+        ".snapshots",
+    ]
 
 
 def test_ids_and_aliases_are_unique(tmp_path: Path, store: TemplateStore) -> None:
@@ -132,6 +136,129 @@ def test_ids_and_aliases_are_unique(tmp_path: Path, store: TemplateStore) -> Non
     )
     assert two.aliases == ("two", "dos")
     assert store.resolve("dos") == two
+
+
+def test_a_home_from_before_the_alias_index_resolves_its_aliases(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    a = store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"), aliases=["alpha"])
+    b = store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"), aliases=["beta"])
+    shutil.rmtree(store.root / ".aliases")  # as a node from before the index left it
+    with pytest.raises(TemplateNotFound):
+        store.resolve("alpha")  # this process trusts the index it built
+    reopened = TemplateStore(store.root)
+    assert reopened.resolve("alpha") == a
+    assert reopened.resolve("beta") == b
+    with pytest.raises(TemplateConflict):
+        reopened.add(template_id="tpl-c", rootfs_dir=make_rootfs(tmp_path, "c"), aliases=["beta"])
+
+
+def test_a_crash_leaves_no_alias_pointing_at_the_wrong_template(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    a = store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"), aliases=["alpha"])
+    # What a crash after an add's pointer and before its template leaves, and what one
+    # after a delete's rename and before its unlinking leaves: pointers nothing confirms.
+    os.symlink("tpl-x", store.root / ".aliases" / "ghost")
+    os.symlink("tpl-a", store.root / ".aliases" / "not-alpha")
+    os.symlink("../../etc", store.root / ".aliases" / "evil")
+    for stale in ("ghost", "not-alpha", "evil"):
+        with pytest.raises(TemplateNotFound):
+            store.resolve(stale)
+    # a stale pointer does not hold its alias: the next template takes it
+    b = store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"), aliases=["ghost"])
+    assert store.resolve("ghost") == b
+    # a crash mid-build of the index (no completion marker) builds it again
+    (store.root / ".aliases" / ".complete").unlink()
+    os.unlink(store.root / ".aliases" / "alpha")
+    reopened = TemplateStore(store.root)
+    assert reopened.resolve("alpha") == a
+    assert reopened.resolve("ghost") == b
+    assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [
+        ".complete",
+        ".snapshots",
+        "alpha",
+        "ghost",
+    ]
+
+
+def test_unfinished_shares_are_found_without_reading_every_template(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    a = store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"))
+    b = store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"))
+    store.add(template_id="tpl-c", rootfs_dir=make_rootfs(tmp_path, "c"))
+    store.mark_share_pending("tpl-b", True)
+    assert TemplateStore(store.root).share_pending() == [b]
+    store.mark_share_pending("tpl-b", False)
+    assert store.share_pending() == []
+    # a home from before the index kept the marker in the template's directory
+    (store.root / "tpl-a" / "share-pending").touch()
+    (store.root / ".aliases" / ".complete").unlink()
+    reopened = TemplateStore(store.root)
+    assert reopened.share_pending() == [a]
+    assert not (store.root / "tpl-a" / "share-pending").exists()
+    reopened.delete("tpl-a")  # a deleted template's share is not resumed
+    assert reopened.share_pending() == []
+
+
+def test_names_are_the_first_ids_and_aliases_without_reading_templates(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"), aliases=["zz"])
+    store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"), aliases=["aa", "mm"])
+    (store.root / "tpl-a" / "template.json").write_text("unreadable")  # never read
+    assert store.names(10) == ["aa", "mm", "tpl-a", "tpl-b", "zz"]
+    assert store.names(2) == ["aa", "mm"]
+    # listed again once a template or an alias comes or goes
+    store.add(template_id="tpl-c", rootfs_dir=make_rootfs(tmp_path, "c"), aliases=["ab"])
+    assert store.names(3) == ["aa", "ab", "mm"]
+    store.delete("tpl-b")
+    assert store.names(10) == ["aa", "ab", "mm", "tpl-a", "tpl-c"]
+
+
+def test_an_adopted_newer_build_moves_the_aliases_it_changed(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    base = store.add(template_id="tpl-base", rootfs_dir=make_rootfs(tmp_path, "base"))
+    built, _ = store.put_built(
+        template_id="tpl-built",
+        build_id="b1",
+        aliases=["old-name"],
+        base=base,
+        snapshot_id="snap-1",
+    )
+    doc = built.to_json() | {"buildID": "b2", "aliases": ["new-name"], "updatedAt": 1e12}
+    store.adopt(json.dumps(doc).encode())
+    assert store.resolve("new-name").build_id == "b2"
+    with pytest.raises(TemplateNotFound):
+        store.resolve("old-name")
+    store.delete("new-name")
+    assert sorted(p.name for p in (store.root / ".aliases").iterdir()) == [
+        ".complete",
+        ".snapshots",
+    ]
+
+
+def test_the_template_a_snapshot_backs_is_one_read(tmp_path: Path, store: TemplateStore) -> None:
+    base = store.add(template_id="tpl-base", rootfs_dir=make_rootfs(tmp_path, "base"))
+    built, _ = store.put_built(
+        template_id="tpl-built", build_id="b1", aliases=["app"], base=base, snapshot_id="snap-1"
+    )
+    assert store.backing("snap-1") == built
+    assert store.backing("snap-x") is None
+    rebuilt, replaced = store.put_built(
+        template_id="tpl-built", build_id="b2", aliases=["app"], base=base, snapshot_id="snap-2"
+    )
+    assert replaced == "snap-1"
+    assert store.backing("snap-1") is None
+    assert store.backing("snap-2") == rebuilt
+    # a home from before the index: built when the store opens
+    shutil.rmtree(store.root / ".aliases")
+    assert TemplateStore(store.root).backing("snap-2") == rebuilt
+    store.delete("app")
+    assert store.backing("snap-2") is None
+    assert list((store.root / ".aliases" / ".snapshots").iterdir()) == []
 
 
 @pytest.mark.parametrize("bad", UNSAFE)
