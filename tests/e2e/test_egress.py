@@ -41,7 +41,7 @@ from tests.conftest import (
     start_node,
     stop_node,
 )
-from tests.egressnet import DNS_IP, NAMES, SUBNET, Internet, open_internet
+from tests.egressnet import DNS_IP, NAMES, PREFIX, SUBNET, Internet, open_internet
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -54,7 +54,7 @@ ONLY_THESE = {"allow_out": ["allowed.test", "*.cdn.test"], "deny_out": ["0.0.0.0
 
 @pytest.fixture(scope="module")
 def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with open_internet(tmp_path_factory.mktemp("internet"), prefix="aenvci") as net:
+    with open_internet(tmp_path_factory.mktemp("internet"), prefix=PREFIX) as net:
         yield net
 
 

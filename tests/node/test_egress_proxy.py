@@ -28,7 +28,7 @@ from aenv.node.egress import (
 )
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.runtimes.netns import HostNetwork, NetSlot, open_host_network
-from tests.egressnet import DNS_IP, NAMES, SUBNET, Internet, open_internet
+from tests.egressnet import DNS_IP, NAMES, PREFIX, SUBNET, Internet, open_internet
 
 pytestmark = [
     pytest.mark.runsc,
@@ -47,7 +47,7 @@ def policy(**network: object) -> EgressPolicy:
 
 @pytest.fixture(scope="module")
 def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with open_internet(tmp_path_factory.mktemp("inet"), prefix="aenvcip") as net:
+    with open_internet(tmp_path_factory.mktemp("inet"), prefix=PREFIX + "p") as net:
         yield net
 
 
