@@ -176,7 +176,10 @@ class ProxyConfig:
         if self.username is not None:
             out["username"] = self.username
         if self.tls:
-            out["tls"] = {} if self.server_name is None else {"serverName": self.server_name}
+            tls: dict[str, Any] = {"enabled": True}
+            if self.server_name is not None:
+                tls["serverName"] = self.server_name
+            out["tls"] = tls
         return out
 
     def __repr__(self) -> str:  # never print the password

@@ -89,7 +89,7 @@ def test_config_from_the_sdk_shape_and_masked_report() -> None:
     assert cfg.to_api() == {
         "address": "proxy.example.test:1080",
         "username": "user",
-        "tls": {"serverName": "proxy.test"},
+        "tls": {"enabled": True, "serverName": "proxy.test"},
     }
     assert "s3cret" not in repr(cfg)
     assert ProxyConfig.from_doc(cfg.to_doc()) == cfg
