@@ -1,14 +1,15 @@
 """Host-name egress rules on real gVisor sandboxes, driven through the e2b SDK.
 
-Rules: the "internet" is `tests.egressnet` (namespace `aenvci`, TEST-NET-3
-addresses, its own resolver, HTTP and HTTPS servers with a test CA); this
-file's node admits only that range (`AENV_EGRESS_CAP`) and checks names
-against that resolver (`AENV_EGRESS_DNS`), so nothing leaves the machine.
-Inside the sandbox curl pins names to addresses with `--resolve` (the
-sandbox's own DNS is not what is tested, except in `test_dns_servers`),
-trusts the test CA with `--cacert`, and gives up after 5 s. A server answers
-`from <its address> host=<Host> sni=<SNI>`, so a test sees where a request
-really went.
+Rules: the "internet" is `tests.egressnet` (namespace `AENV_TEST_EGRESS_PREFIX`,
+default `aenvci`; TEST-NET addresses, its own resolver, HTTP and HTTPS
+servers with a test CA); this file's node admits only that range
+(`AENV_EGRESS_CAP`) and checks names against that resolver
+(`AENV_EGRESS_DNS`), so nothing leaves the machine. Inside the sandbox curl
+pins names to addresses with `--resolve` (the sandbox's own DNS is not what
+is tested, except in `test_dns_servers`), trusts the test CA with
+`--cacert`, and gives up after 5 s. A server answers `from <its address>
+host=<Host> sni=<SNI> peer=<client>`, so a test sees where a request really
+went.
 """
 
 from __future__ import annotations
