@@ -6,7 +6,8 @@ CONNECT and dials out from its own address; this file's node admits only the
 internet's range and checks names against its resolver. A server answers
 `from <its address> ... peer=<client address>`: through the proxy the peer is
 `PROXY_IP`, direct it is the node's `HOST_END`. curl in the sandbox pins
-names with `--resolve` and gives up after 5 s.
+names with `--resolve` and gives up after 5 s. The module's node takes the
+third quarter of the run's slot range, the restarted node the fourth.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import secrets
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ import pytest
 from e2b import Sandbox
 
 from tests.conftest import (
+    NET_PREFIX,
     SLOT_CIDR,
     NodeProc,
     built_home,
@@ -163,3 +166,44 @@ def test_fails_closed(snode: NodeProc, internet: Internet, socks: Path, tmp_path
     finally:
         s.kill()
     assert socks.read_text().splitlines() == ["AUTH-FAILED user=u", f"CONNECT {OTHER} 80 user=u ok"]
+
+
+def test_kept_across_a_node_restart(internet: Internet, socks: Path, tmp_path: Path) -> None:
+    home = built_home()
+    assert home is not None
+    private = tmp_path / "home"
+    private.mkdir()
+    link_home(home, private)
+    prefix = NET_PREFIX + "t"
+    env = {
+        "AENV_EGRESS_CAP": SUBNET,
+        "AENV_EGRESS_DNS": DNS_IP,
+        "AENV_SLOT_CIDR": str(list(ipaddress.IPv4Network(SLOT_CIDR).subnets(prefixlen_diff=2))[3]),
+        "AENV_NET_PREFIX": prefix,
+        "AENV_ON_STOP": "keep",  # a crashed node's sandboxes run on
+    }
+    key = "aenv_test_" + secrets.token_hex(8)
+
+    def start() -> NodeProc:
+        return start_node(private, api_key=key, log_path=private / "node.log", extra_env=env)
+
+    n = start()
+    try:
+        with sdk_pointed_at(n.url, key):
+            s = create(internet, {"egress_proxy": PROXY})
+            assert fetch(s, f"http://{OTHER}/").endswith(f"peer={PROXY_IP}")
+        stop_node(n, signal.SIGKILL)
+        n = start()
+        with sdk_pointed_at(n.url, key):
+            s = Sandbox.connect(s.sandbox_id)
+            assert fetch(s, f"http://{OTHER}/").endswith(f"peer={PROXY_IP}")
+            info = (s.get_info().network or {}).get("egress_proxy")
+            assert info == {"address": f"{PROXY_IP}:1080", "username": "u"}
+            s.kill()
+    finally:
+        env["AENV_ON_STOP"] = "stop"
+        code = stop_node(n)
+        left = leaks(private, prefix)
+        assert code == 0, n.log_tail()
+        assert not left, left
+    assert socks.read_text().splitlines() == [f"CONNECT {OTHER} 80 user=u ok"] * 2
