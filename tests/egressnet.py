@@ -8,18 +8,24 @@ internet) and, inside the namespace, one process that serves:
 - DNS (UDP 53 on `DNS_IP`) for the names in `NAMES`, through
   `aenv.proto.dnswire.answer`;
 - HTTP (80) and HTTPS (443) on every address, answering
-  `from <server address> host=<Host header> sni=<server name>\\n` so a test
-  sees where a request really went; the HTTPS certificate comes from a test
-  CA (`Internet.ca_pem`) and names every host in `NAMES`;
+  `from <server address> host=<Host header> sni=<server name> peer=<client
+  address>\\n` so a test sees where a request really went, and from where;
+  the HTTPS certificate comes from a test CA (`Internet.ca_pem`) and names
+  every host in `NAMES` and every address (`Internet.cert`, `Internet.key`);
 - `GET /bytes/N` answers N zero bytes (a download for benchmarks).
 
 Leaving the block kills the process and deletes the namespace and veth.
-Names only this module uses; nothing leaves the machine.
+Names only this module uses; nothing leaves the machine. Concurrent runs on
+one machine set `AENV_TEST_EGRESS_PREFIX` (netns and veth names; the default
+`aenvci`) and `AENV_TEST_EGRESS_SUBNET` (a /28 of TEST-NET ranges; the
+default 203.0.113.160/28): every address below is an offset in it.
+`PROXY_IP` is kept free for a SOCKS5 server (`tests.socksserver`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import subprocess
 import sys
@@ -30,16 +36,25 @@ from pathlib import Path
 
 from tests.tlscerts import TestCA
 
-SUBNET = "203.0.113.160/28"
-HOST_END = "203.0.113.174"
-DNS_IP = "203.0.113.165"
-ADDRESSES = ("203.0.113.161", "203.0.113.162", "203.0.113.163", DNS_IP)
+PREFIX = os.environ.get("AENV_TEST_EGRESS_PREFIX", "aenvci")
+SUBNET = os.environ.get("AENV_TEST_EGRESS_SUBNET", "203.0.113.160/28")
+_BASE = ipaddress.IPv4Network(SUBNET).network_address
+
+
+def _at(offset: int) -> str:
+    return str(_BASE + offset)
+
+
+HOST_END = _at(14)
+DNS_IP = _at(5)
+PROXY_IP = _at(6)
+ADDRESSES = (_at(1), _at(2), _at(3), DNS_IP, PROXY_IP)
 NAMES: dict[str, list[str]] = {
-    "allowed.test": ["203.0.113.161"],
-    "api.cdn.test": ["203.0.113.161"],
-    "deep.api.cdn.test": ["203.0.113.161"],
-    "cdn.test": ["203.0.113.161"],
-    "other.test": ["203.0.113.162"],
+    "allowed.test": [_at(1)],
+    "api.cdn.test": [_at(1)],
+    "deep.api.cdn.test": [_at(1)],
+    "cdn.test": [_at(1)],
+    "other.test": [_at(2)],
 }
 
 SERVER = r"""
@@ -81,7 +96,8 @@ class Http(socketserver.StreamRequestHandler):
                 n -= len(block)
             return
         me = self.request.getsockname()[0]
-        body = f"from {me} host={host} sni={getattr(self.request, 'aenv_sni', '')}\n".encode()
+        peer = self.client_address[0]
+        body = f"from {me} host={host} sni={getattr(self.request, 'aenv_sni', '')} peer={peer}\n".encode()
         self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
 
 class Tls(socketserver.ThreadingTCPServer):
@@ -116,6 +132,8 @@ threading.Event().wait()
 class Internet:
     netns: str
     ca_pem: Path
+    cert: Path
+    key: Path
 
 
 def _sh(*args: str) -> None:
@@ -156,7 +174,7 @@ def open_internet(tmp: Path, *, prefix: str) -> Iterator[Internet]:
         line = proc.stdout.readline()
         if b"ready" not in line or time.monotonic() > deadline:
             raise RuntimeError(f"the internet's servers did not start: {line!r}")
-        yield Internet(netns=ns, ca_pem=ca.dir / "ca.pem")
+        yield Internet(netns=ns, ca_pem=ca.dir / "ca.pem", cert=cert, key=key)
     finally:
         if proc is not None:
             proc.kill()

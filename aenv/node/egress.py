@@ -17,7 +17,8 @@ neither see nor change it. For each connection it:
    (`Resolver`, never the sandbox's) gives for it, so `Host: allowed.test`
    sent to another address is refused;
 4. refuses with a reset, or dials exactly the address the sandbox dialled
-   and relays both ways (`PassThrough`: the bytes are not touched, TLS stays
+   (through the sandbox's SOCKS5 `egressProxy` when it has one:
+   `aenv.node.socks`, failing closed) and relays both ways (`PassThrough`: the bytes are not touched, TLS stays
    end to end), counting bytes.
 
 Every decided connection becomes an `EgressEvent` (host, address, port,
@@ -49,6 +50,7 @@ from typing import Final, Protocol
 import trio
 
 from aenv.kit.metrics import Labels, Registry
+from aenv.node.socks import StreamCopy, open_tunnel
 from aenv.proto import dnswire
 from aenv.proto.netpolicy import Decision, EgressPolicy
 from aenv.proto.sniff import MAX_SNIFF, Found, Need, NoName, sniff
@@ -439,7 +441,8 @@ class EgressProxy:
         proto = "none"
         early: _EarlyDial | None = None
         if policy.needs_name(ip):
-            if any(policy.decide(ip, n).allowed for n in self.resolver.names_of(ip)):
+            names = self.resolver.names_of(ip)
+            if policy.proxy is None and any(policy.decide(ip, n).allowed for n in names):
                 early = _EarlyDial((ip, port))
                 nursery.start_soon(early.run)
             by_address = policy.decide(ip, None).allowed
@@ -482,6 +485,11 @@ class EgressProxy:
         try:
             upstream = None if early is None else await early.result()
             relay = relay_for(policy, decision, name)
+            if policy.proxy is not None:  # out through the sandbox's SOCKS5 proxy, never direct
+                # by name when a host rule allowed it (and the node verified it), else by address
+                tunnel = await open_tunnel(policy.proxy, decision.verify or ip, port, client=client)
+                upstream = tunnel.socket_stream
+                relay = relay if upstream is not None else StreamCopy(tunnel.stream)
             await relay.run(client, head, (ip, port), done, upstream=upstream)
         except (OSError, trio.TooSlowError) as exc:
             _reset(client)

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from aenv.proto.socks5 import ProxyConfig, ProxyConfigError
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 ALL_TRAFFIC: Final = "0.0.0.0/0"
@@ -214,6 +216,8 @@ class EgressPolicy:
     # The lists as the client spelled them, reported back by GET as E2B does.
     allow_out_given: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
     deny_out_given: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    # `egressProxy`: the SOCKS5 proxy the sandbox's filtered TCP leaves through
+    proxy: ProxyConfig | None = None
 
     def __post_init__(self) -> None:
         # Direct construction gets the same normalisation as from_request.
@@ -228,6 +232,12 @@ class EgressPolicy:
     def has_hosts(self) -> bool:
         """Whether host-name rules exist: the sandbox's TCP goes through the egress proxy."""
         return bool(self.allow_hosts or self.deny_hosts)
+
+    @property
+    def tunnels(self) -> bool:
+        """Whether the sandbox's TCP goes through the node's egress proxy
+        (host-name rules to decide, or an `egressProxy` to leave through)."""
+        return self.has_hosts or self.proxy is not None
 
     @property
     def resolvers(self) -> tuple[str, ...]:
@@ -252,6 +262,7 @@ class EgressPolicy:
             "dnsServers": None if self.dns_servers is None else list(self.dns_servers),
             "allowOutGiven": None if self.allow_out_given is None else list(self.allow_out_given),
             "denyOutGiven": None if self.deny_out_given is None else list(self.deny_out_given),
+            "proxy": None if self.proxy is None else self.proxy.to_doc(),
         }
 
     @classmethod
@@ -268,6 +279,7 @@ class EgressPolicy:
             dns_servers=None if dns is None else tuple(dns),
             allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
             deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
+            proxy=None if p.get("proxy") is None else ProxyConfig.from_doc(p["proxy"]),
         )
 
     @classmethod
@@ -280,8 +292,8 @@ class EgressPolicy:
         """Validate a create/update body's egress fields (E2B wire names).
 
         `allow_internet_access` None means "not given" (the internet is
-        allowed). Only `allowOut`, `denyOut` and `dnsServers` are read from
-        `network`; the API layer vets its other keys.
+        allowed). Only `allowOut`, `denyOut`, `dnsServers` and `egressProxy`
+        are read from `network`; the API layer vets its other keys.
         """
         if allow_internet_access is not None and not isinstance(allow_internet_access, bool):
             raise PolicyError("allow_internet_access must be a boolean")
@@ -300,6 +312,7 @@ class EgressPolicy:
             dns_servers=_parse_dns_servers(network.get("dnsServers")),
             allow_out_given=allow.given if network.get("allowOut") is not None else None,
             deny_out_given=deny.given if network.get("denyOut") is not None else None,
+            proxy=_parse_proxy(network.get("egressProxy")),
         )
 
     def allows(self, ip: str, *, blocked: Iterable[str] = ()) -> bool:
@@ -374,7 +387,35 @@ class EgressPolicy:
             out["denyOut"] = list(deny)
         if self.dns_servers is not None:
             out["dnsServers"] = list(self.dns_servers)
+        if self.proxy is not None:
+            out["egressProxy"] = self.proxy.to_api()
         return out
+
+
+def _parse_proxy(raw: object) -> ProxyConfig | None:
+    """`egressProxy`, refused when its address is a literal in a range the node
+    never lets sandboxes reach (a name is checked when it is resolved, at dial time)."""
+    if raw is None:
+        return None
+    try:
+        proxy = ProxyConfig.from_request(raw)
+    except ProxyConfigError as e:
+        raise PolicyError(str(e)) from None
+    if proxy.host_is_ip and not proxy_address_allowed(proxy.host):
+        raise PolicyError(f"network.egressProxy.address {proxy.address}: an internal address")
+    return proxy
+
+
+def proxy_address_allowed(ip: str, *, blocked: Iterable[str] = ()) -> bool:
+    """Whether the node may dial an egress proxy at `ip`: an IPv4 address outside
+    the ranges sandboxes never reach (`blocked` adds the caller's own)."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    if not isinstance(addr, ipaddress.IPv4Address):
+        return False
+    return not (_in_any(addr, _ALWAYS_BLOCKED_NETS) or _in_any(addr, blocked))
 
 
 # -- nftables rendering -------------------------------------------------------
@@ -495,7 +536,9 @@ def render_slot_rules(
     chain: new TCP connections that the address alone does not settle (not
     always-blocked, inside the egress cap, not to the host itself, not in
     allowOut) are redirected to the egress proxy on the slot's host address.
-    Without host names the nat chain stays empty, so the proxy costs nothing.
+    A policy with an `egressProxy` redirects all such TCP, allowOut included,
+    so every allowed connection leaves through the SOCKS5 proxy. Without
+    either the nat chain stays empty, so the proxy costs nothing.
     """
     t = _check_name(table, "table")
     ch = _check_name(slot_chain(index), "chain")
@@ -524,14 +567,15 @@ def render_slot_rules(
     lines.append(f'add element inet {t} slots {{ "{ifn}" : jump {ch} }}')
     nat = f"{ch}_nat"
     lines += [f"add chain inet {t} {nat}", f"flush chain inet {t} {nat}"]
-    if policy.has_hosts and proxy_port is not None:
+    if policy.tunnels and proxy_port is not None:
         rule = f"add rule inet {t} {nat}"
         lines += [
             f"{rule} ip saddr != {src} return",
             f"{rule} ip daddr @blocked return",
             f"{rule} ip daddr != @egress_cap return",
             f"{rule} fib daddr type local return",
-            f"{rule} ip daddr @{ch}_allow return",
+            # with an egressProxy, TCP to allowOut addresses leaves through it too
+            *([] if policy.proxy is not None else [f"{rule} ip daddr @{ch}_allow return"]),
             f"{rule} meta l4proto tcp redirect to :{int(proxy_port)}",
         ]
     lines.append(f'add element inet {t} redirects {{ "{ifn}" : jump {nat} }}')

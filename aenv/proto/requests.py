@@ -128,8 +128,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
 
 
 def _refuse_unsupported_network(net: Mapping[str, Any]) -> None:
-    if net.get("egressProxy") is not None:
-        raise BadRequest("network.egressProxy is not supported by this node")
     if net.get("maskRequestHost") is not None:
         raise BadRequest("network.maskRequestHost is not supported by this node")
     if net.get("httpsPorts") not in (None, []):

@@ -1,14 +1,15 @@
 """Host-name egress rules on real gVisor sandboxes, driven through the e2b SDK.
 
-Rules: the "internet" is `tests.egressnet` (namespace `aenvci`, TEST-NET-3
-addresses, its own resolver, HTTP and HTTPS servers with a test CA); this
-file's node admits only that range (`AENV_EGRESS_CAP`) and checks names
-against that resolver (`AENV_EGRESS_DNS`), so nothing leaves the machine.
-Inside the sandbox curl pins names to addresses with `--resolve` (the
-sandbox's own DNS is not what is tested, except in `test_dns_servers`),
-trusts the test CA with `--cacert`, and gives up after 5 s. A server answers
-`from <its address> host=<Host> sni=<SNI>`, so a test sees where a request
-really went.
+Rules: the "internet" is `tests.egressnet` (namespace `AENV_TEST_EGRESS_PREFIX`,
+default `aenvci`; TEST-NET addresses, its own resolver, HTTP and HTTPS
+servers with a test CA); this file's node admits only that range
+(`AENV_EGRESS_CAP`) and checks names against that resolver
+(`AENV_EGRESS_DNS`), so nothing leaves the machine. Inside the sandbox curl
+pins names to addresses with `--resolve` (the sandbox's own DNS is not what
+is tested, except in `test_dns_servers`), trusts the test CA with
+`--cacert`, and gives up after 5 s. A server answers `from <its address>
+host=<Host> sni=<SNI> peer=<client>`, so a test sees where a request really
+went.
 """
 
 from __future__ import annotations
@@ -41,11 +42,21 @@ from tests.conftest import (
     start_node,
     stop_node,
 )
-from tests.egressnet import DNS_IP, NAMES, SUBNET, Internet, open_internet
+from tests.egressnet import (
+    ADDRESSES,
+    DNS_IP,
+    HOST_END,
+    NAMES,
+    PREFIX,
+    SUBNET,
+    Internet,
+    open_internet,
+)
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
 CA_IN_SANDBOX = "/tmp/test-ca.pem"
+A1, A2, A3 = ADDRESSES[:3]  # allowed.test (and *.cdn.test), other.test, no name
 NODE_ENV = {"AENV_EGRESS_CAP": SUBNET, "AENV_EGRESS_DNS": DNS_IP}
 # this file's nodes split the run's slot range: the module's node, the restarted one
 SLOTS = list(ipaddress.IPv4Network(SLOT_CIDR).subnets(prefixlen_diff=1))
@@ -54,7 +65,7 @@ ONLY_THESE = {"allow_out": ["allowed.test", "*.cdn.test"], "deny_out": ["0.0.0.0
 
 @pytest.fixture(scope="module")
 def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with open_internet(tmp_path_factory.mktemp("internet"), prefix="aenvci") as net:
+    with open_internet(tmp_path_factory.mktemp("internet"), prefix=PREFIX) as net:
         yield net
 
 
@@ -124,27 +135,27 @@ def test_only_named_hosts(enode: NodeProc, internet: Internet, tmp_path: Path) -
     s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
     try:
         out = fetch(s, "https://allowed.test/")
-        assert allowed(out, "203.0.113.161") and "sni=allowed.test" in out, out
-        assert allowed(fetch(s, "http://allowed.test/"), "203.0.113.161")
+        assert allowed(out, A1) and "sni=allowed.test" in out, out
+        assert allowed(fetch(s, "http://allowed.test/"), A1)
         # wildcards: any depth below the suffix, never the suffix itself
-        assert allowed(fetch(s, "https://api.cdn.test/"), "203.0.113.161")
-        assert allowed(fetch(s, "https://deep.api.cdn.test/"), "203.0.113.161")
+        assert allowed(fetch(s, "https://api.cdn.test/"), A1)
+        assert allowed(fetch(s, "https://deep.api.cdn.test/"), A1)
         assert fetch(s, "https://cdn.test/").startswith(("fail:", "curl:"))
         assert fetch(s, "https://other.test/").startswith(("fail:", "curl:"))
         # a raw IP no CIDR allows, over TLS without a name and over HTTP
-        assert "fail:" in fetch(s, "http://203.0.113.163/")
-        assert "fail:" in fetch(s, "https://203.0.113.163/")
+        assert "fail:" in fetch(s, f"http://{A3}/")
+        assert "fail:" in fetch(s, f"https://{A3}/")
         # an allowed name claimed to another address gets nowhere (SNI and Host)
-        assert "fail:" in fetch(s, "https://allowed.test/", to="203.0.113.162")
-        assert "fail:" in fetch(s, "http://203.0.113.162/", header="Host: allowed.test")
+        assert "fail:" in fetch(s, "https://allowed.test/", to=A2)
+        assert "fail:" in fetch(s, f"http://{A2}/", header="Host: allowed.test")
         info = s.get_info().network or {}
         assert info.get("allow_out") == ONLY_THESE["allow_out"]
         log = egress_log(enode, s.sandbox_id)
         verdicts = {(e["host"], e["ip"], e["verdict"]) for e in log}
-        assert ("allowed.test", "203.0.113.161", "allowed") in verdicts
-        assert ("other.test", "203.0.113.162", "denied") in verdicts
-        assert ("allowed.test", "203.0.113.162", "denied") in verdicts
-        assert ("", "203.0.113.163", "denied") in verdicts
+        assert ("allowed.test", A1, "allowed") in verdicts
+        assert ("other.test", A2, "denied") in verdicts
+        assert ("allowed.test", A2, "denied") in verdicts
+        assert ("", A3, "denied") in verdicts
         assert any(int(e["bytesIn"]) > 0 for e in log if e["verdict"] == "allowed")
         metrics = httpx.get(f"{enode.url}/metrics", headers={"X-API-Key": enode.api_key}).text
         assert 'aenv_egress_connections_total{proto="tls",verdict="allowed"}' in metrics
@@ -167,8 +178,8 @@ def test_deny_by_name_with_the_internet_open(enode: NodeProc, internet: Internet
     s = prepare(Sandbox.create("base", network={"deny_out": ["other.test"]}), internet)
     try:
         assert "fail:" in fetch(s, "https://other.test/")
-        assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
-        assert allowed(fetch(s, "http://203.0.113.163/"), "203.0.113.163")  # addresses stay open
+        assert allowed(fetch(s, "https://allowed.test/"), A1)
+        assert allowed(fetch(s, f"http://{A3}/"), A3)  # addresses stay open
     finally:
         s.kill()
 
@@ -176,7 +187,7 @@ def test_deny_by_name_with_the_internet_open(enode: NodeProc, internet: Internet
 def test_sandboxes_without_names_skip_the_proxy(enode: NodeProc, internet: Internet) -> None:
     s = prepare(Sandbox.create("base"), internet)
     try:
-        assert allowed(fetch(s, "https://allowed.test/", to="203.0.113.162"), "203.0.113.162")
+        assert allowed(fetch(s, "https://allowed.test/", to=A2), A2)
         assert egress_log(enode, s.sandbox_id) == []
     finally:
         s.kill()
@@ -191,7 +202,7 @@ def test_dns_servers(enode: NodeProc, internet: Internet) -> None:
             f"curl -sS -m 5 --cacert {CA_IN_SANDBOX} https://allowed.test/ 2>&1 || echo fail:$?",
             timeout=30,
         )
-        assert allowed(r.stdout.strip(), "203.0.113.161"), r.stdout
+        assert allowed(r.stdout.strip(), A1), r.stdout
         assert (s.get_info().network or {}).get("dns_servers") == [DNS_IP]
         s.update_network(ONLY_THESE)  # type: ignore[arg-type]
         r = s.commands.run("curl -sS -m 5 https://allowed.test/ 2>&1 || echo fail:$?", timeout=30)
@@ -206,19 +217,19 @@ def test_rules_change_at_runtime_and_survive_pause_and_fork(
     s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
     forks: list[Sandbox] = []
     try:
-        assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+        assert allowed(fetch(s, "https://allowed.test/"), A1)
         s.update_network({"allow_out": ["other.test"], "deny_out": ["0.0.0.0/0"]})
-        assert allowed(fetch(s, "https://other.test/"), "203.0.113.162")
+        assert allowed(fetch(s, "https://other.test/"), A2)
         assert "fail:" in fetch(s, "https://allowed.test/")
         s.pause()
         s = Sandbox.connect(s.sandbox_id)
-        assert allowed(fetch(s, "https://other.test/"), "203.0.113.162")
+        assert allowed(fetch(s, "https://other.test/"), A2)
         assert "fail:" in fetch(s, "https://allowed.test/")
         assert (s.get_info().network or {}).get("allow_out") == ["other.test"]
         (child,) = s.fork(count=1)
         assert isinstance(child, Sandbox), child
         forks.append(child)
-        assert allowed(fetch(child, "https://other.test/"), "203.0.113.162")
+        assert allowed(fetch(child, "https://other.test/"), A2)
         assert "fail:" in fetch(child, "https://allowed.test/")
     finally:
         for f in forks:
@@ -237,8 +248,8 @@ def test_host_stays_unreachable(
     try:
         t0 = time.monotonic()
         # the host's own address in the internet's subnet, its proxy port, its loopback
-        assert "fail:" in fetch(s, "http://203.0.113.174:1/")
-        assert "fail:" in fetch(s, "https://allowed.test/", to="203.0.113.174")
+        assert "fail:" in fetch(s, f"http://{HOST_END}:1/")
+        assert "fail:" in fetch(s, "https://allowed.test/", to=HOST_END)
         assert "fail:" in fetch(s, "http://127.0.0.1/")
         assert time.monotonic() - t0 < 30
     finally:
@@ -267,12 +278,12 @@ def test_rules_survive_a_node_restart(internet: Internet, tmp_path: Path) -> Non
     try:
         with sdk_pointed_at(n.url, key):
             s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
-            assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+            assert allowed(fetch(s, "https://allowed.test/"), A1)
         stop_node(n, signal.SIGKILL)
         n = start()
         with sdk_pointed_at(n.url, key):
             s = Sandbox.connect(s.sandbox_id)
-            assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+            assert allowed(fetch(s, "https://allowed.test/"), A1)
             assert "fail:" in fetch(s, "https://other.test/")
             assert (s.get_info().network or {}).get("allow_out") == ONLY_THESE["allow_out"]
             s.kill()
