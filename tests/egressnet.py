@@ -11,15 +11,24 @@ internet) and, inside the namespace, one process that serves:
   `from <server address> host=<Host header> sni=<server name>\\n` so a test
   sees where a request really went; the HTTPS certificate comes from a test
   CA (`Internet.ca_pem`) and names every host in `NAMES`;
-- `GET /bytes/N` answers N zero bytes (a download for benchmarks).
+- `GET /bytes/N` answers N zero bytes (a download for benchmarks);
+- `GET /headers` answers the request head as received.
 
 Leaving the block kills the process and deletes the namespace and veth.
-Names only this module uses; nothing leaves the machine.
+Names only this module uses; nothing leaves the machine. Concurrent runs on
+one machine give each run its own: `AENV_TEST_EGRESS_PREFIX` replaces the
+`aenvci` start of the namespace names, `AENV_TEST_EGRESS_SUBNET` the /28
+(default 203.0.113.160/28; the addresses below are its 1st, 2nd, 3rd, 5th
+and 14th).
+
+`wrong.test` resolves but the certificate does not name it: a host that
+cannot prove its name over TLS.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import subprocess
 import sys
@@ -30,17 +39,22 @@ from pathlib import Path
 
 from tests.tlscerts import TestCA
 
-SUBNET = "203.0.113.160/28"
-HOST_END = "203.0.113.174"
-DNS_IP = "203.0.113.165"
-ADDRESSES = ("203.0.113.161", "203.0.113.162", "203.0.113.163", DNS_IP)
+PREFIX = os.environ.get("AENV_TEST_EGRESS_PREFIX", "aenvci")
+SUBNET = os.environ.get("AENV_TEST_EGRESS_SUBNET", "203.0.113.160/28")
+_NET = ipaddress.IPv4Network(SUBNET)
+HOST_END = str(_NET[14])
+DNS_IP = str(_NET[5])
+A, B, C = str(_NET[1]), str(_NET[2]), str(_NET[3])
+ADDRESSES = (A, B, C, DNS_IP)
 NAMES: dict[str, list[str]] = {
-    "allowed.test": ["203.0.113.161"],
-    "api.cdn.test": ["203.0.113.161"],
-    "deep.api.cdn.test": ["203.0.113.161"],
-    "cdn.test": ["203.0.113.161"],
-    "other.test": ["203.0.113.162"],
+    "allowed.test": [A],
+    "api.cdn.test": [A],
+    "deep.api.cdn.test": [A],
+    "cdn.test": [A],
+    "other.test": [B],
 }
+# resolves, but the internet's certificate does not name it
+UNCERTIFIED: dict[str, list[str]] = {"wrong.test": [C]}
 
 SERVER = r"""
 import socket, socketserver, ssl, sys, threading
@@ -79,6 +93,9 @@ class Http(socketserver.StreamRequestHandler):
             while n > 0:
                 self.request.sendall(block[: min(n, len(block))])
                 n -= len(block)
+            return
+        if path == "/headers":  # the request head as the server received it
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(head) + head)
             return
         me = self.request.getsockname()[0]
         body = f"from {me} host={host} sni={getattr(self.request, 'aenv_sni', '')}\n".encode()
@@ -128,6 +145,7 @@ def _quiet(*args: str) -> None:
 
 @contextlib.contextmanager
 def open_internet(tmp: Path, *, prefix: str) -> Iterator[Internet]:
+    prefix = PREFIX + prefix.removeprefix("aenvci")
     ns, host_if, ns_if = prefix, f"{prefix}0", f"{prefix}1"
     _quiet("ip", "link", "del", host_if)
     _quiet("ip", "netns", "del", ns)
@@ -138,14 +156,15 @@ def open_internet(tmp: Path, *, prefix: str) -> Iterator[Internet]:
     try:
         _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         _sh("ip", "link", "set", ns_if, "netns", ns)
-        _sh("ip", "addr", "add", f"{HOST_END}/28", "dev", host_if)
+        _sh("ip", "addr", "add", f"{HOST_END}/{_NET.prefixlen}", "dev", host_if)
         _sh("ip", "link", "set", host_if, "up")
         for ip in ADDRESSES:
-            _sh("ip", "-n", ns, "addr", "add", f"{ip}/28", "dev", ns_if)
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/{_NET.prefixlen}", "dev", ns_if)
         _sh("ip", "-n", ns, "link", "set", ns_if, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         _sh("ip", "-n", ns, "route", "add", "default", "via", HOST_END)
-        names = ",".join(f"{n}={ip}" for n, ips in NAMES.items() for ip in ips)
+        every = {**NAMES, **UNCERTIFIED}
+        names = ",".join(f"{n}={ip}" for n, ips in every.items() for ip in ips)
         root = str(Path(__file__).resolve().parent.parent)
         argv = [sys.executable, "-c", SERVER, root, str(cert), str(key), names, DNS_IP]
         proc = subprocess.Popen(

@@ -372,6 +372,11 @@ def original_destination(stream: trio.SocketStream) -> tuple[str, int] | None:
     return str(ipaddress.IPv4Address(raw[4:8])), port
 
 
+# (slot, policy, allowed decision, name, proto) -> the relay that intercepts
+# the connection (a `network.rules` host), or None: pass through
+RelayChooser = Callable[[int, EgressPolicy, Decision, str | None, str], Relay | None]
+
+
 class EgressProxy:
     """Serves redirected connections on one listening socket for all slots."""
 
@@ -382,8 +387,10 @@ class EgressProxy:
         resolver: Resolver,
         on_event: Callable[[EgressEvent], None] = lambda _e: None,
         sniff_timeout_s: float = SNIFF_TIMEOUT_S,
+        intercept: RelayChooser | None = None,
     ) -> None:
         self.policies = policies
+        self.intercept = intercept
         self.resolver = resolver
         self.on_event = on_event
         self.sniff_timeout_s = sniff_timeout_s
@@ -453,6 +460,18 @@ class EgressProxy:
                 if not addresses:
                     why = f"{decision.verify} does not resolve on the node"
                 decision = Decision(False, why)
+        intercepted: Relay | None = None
+        if decision.allowed and self.intercept is not None:
+            intercepted = self.intercept(slot, policy, decision, name, proto)
+        # rules put secrets in the request: its name must prove itself (as
+        # allowOut names do) even where the address alone allowed it
+        if (
+            intercepted is not None
+            and name is not None
+            and decision.verify is None
+            and ip not in await self.resolver.addresses(name)
+        ):
+            decision = Decision(False, f"{ip} is not an address of {name} (rules)")
 
         def event(allowed: bool, reason: str, done: Transfer | None = None) -> EgressEvent:
             return EgressEvent(
@@ -481,7 +500,7 @@ class EgressProxy:
         self.active += 1
         try:
             upstream = None if early is None else await early.result()
-            relay = relay_for(policy, decision, name)
+            relay = intercepted or relay_for(policy, decision, name)
             await relay.run(client, head, (ip, port), done, upstream=upstream)
         except (OSError, trio.TooSlowError) as exc:
             _reset(client)

@@ -75,6 +75,7 @@ from aenv.node.egress import (
     listener_port,
     open_egress_listener,
 )
+from aenv.node.egresstls import NodeCA, interceptor, upstream_context
 from aenv.node.host import Host, HttpEnvd, WritableRoots
 from aenv.node.pool import Pool
 from aenv.node.sandbox import Fork, LiveCapture, Resume, SandboxActor, Snapshot, policy_of
@@ -88,6 +89,7 @@ from aenv.node.snapshots import (
 from aenv.node.warm import START_TIMEOUT_S, Warmer
 from aenv.proto import ids
 from aenv.proto import lifecycle as lc
+from aenv.proto.egressrules import Placeholder
 from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy
@@ -100,7 +102,7 @@ from aenv.runtimes.netns import NetSlot, network_metrics, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import OverlayRoots
-from aenv.storage.secrets import SecretStore
+from aenv.storage.secrets import SecretNotFound, SecretStore
 from aenv.storage.templates import (
     Template,
     TemplateConflict,
@@ -212,6 +214,8 @@ class Node:
         self.snapshots = Snapshots(config.home / "snapshots", self.meta)
         # `/secrets`: write-only values, encrypted under the node's key
         self.secrets = SecretStore(config.secrets_dir / "values")
+        # the egress CA sandboxes with `network.rules` trust (set by `open_node`)
+        self.egress_ca_pem: str | None = None
         self.api_key = api_key
         self.limits = Limits(
             max_timeout_s=config.max_timeout_s,
@@ -307,6 +311,15 @@ class Node:
                 functools.partial(actor.mailbox.ask, kill, timeout=120),
                 f"stopping sandbox {actor.sandbox_id}",
             )
+
+    async def reveal_placeholder(self, p: Placeholder) -> str:
+        """A `network.rules` placeholder's value, for the egress proxy only."""
+        if p.kind != "secret":
+            raise LookupError(f"workload token {p.name!r}: not issued by this node")
+        try:
+            return await trio.to_thread.run_sync(self.secrets.reveal, p.name.lower())
+        except SecretNotFound:
+            raise LookupError(f"secret {p.name!r} not found") from None
 
     def egress_event(self, event: EgressEvent) -> None:
         """Put a connection the egress proxy decided in its sandbox's log."""
@@ -1101,8 +1114,15 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
             async def guard(_stop: StopToken) -> None:
                 await network.guard(every_s=config.network_check_s, on_lost=node.network_lost)
 
+            ca = await trio.to_thread.run_sync(NodeCA, config.home / "egress-ca")
+            node.egress_ca_pem = ca.cert_pem
             proxy = EgressProxy(
-                policies=network, resolver=Resolver(config.egress_dns), on_event=node.egress_event
+                policies=network,
+                resolver=Resolver(config.egress_dns),
+                on_event=node.egress_event,
+                intercept=interceptor(
+                    ca, upstream_context(config.egress_ca_file), node.reveal_placeholder
+                ),
             )
 
             async def egress(_stop: StopToken) -> None:

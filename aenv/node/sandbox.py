@@ -247,6 +247,7 @@ class SandboxHost(Protocol):
     # processes killed by sandboxes' OOM killer (aenv_sandbox_oom_kills_total)
     m_oom_kills: Metric
     volumes: Volumes
+    egress_ca_pem: str | None  # the egress CA sandboxes with `network.rules` trust
 
     def forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
         """Take the actor out of the node's table (its task is ending)."""
@@ -1101,6 +1102,9 @@ class SandboxActor:
             # member is initialised twice within a second when adopted at once)
             "timestamp": datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z"),
         }
+        if self.policy.rules and self.node.egress_ca_pem:
+            # the egress proxy intercepts the rules' hosts: trust its CA (aenv.envd.trust)
+            body["caCertificates"] = self.node.egress_ca_pem
         # after a resume envd already holds the token and wants it to re-init
         current = self._prior_token or self.envd_access_token
         await envd.init(client, address, body, token=current if resumed else None)

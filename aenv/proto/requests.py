@@ -8,10 +8,12 @@ ignored, as E2B's API does, so newer SDKs keep working.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aenv.proto.egressrules import parse_rules
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy, PolicyError
@@ -134,13 +136,13 @@ def _refuse_unsupported_network(net: Mapping[str, Any]) -> None:
         raise BadRequest("network.maskRequestHost is not supported by this node")
     if net.get("httpsPorts") not in (None, []):
         raise BadRequest("network.httpsPorts is not supported by this node")
-    if net.get("rules") not in (None, {}):
-        raise BadRequest("network.rules (egress request transforms) are not supported by this node")
 
 
 def _policy(allow_internet: bool | None, net: Mapping[str, Any] | None) -> EgressPolicy:
     try:
-        return EgressPolicy.from_request(allow_internet_access=allow_internet, network=net)
+        policy = EgressPolicy.from_request(allow_internet_access=allow_internet, network=net)
+        rules = parse_rules(None if net is None else net.get("rules"))
+        return dataclasses.replace(policy, rules=rules.rules) if rules else policy
     except PolicyError as e:
         raise BadRequest(str(e)) from None
 

@@ -1,6 +1,6 @@
 """Host-name egress rules on real gVisor sandboxes, driven through the e2b SDK.
 
-Rules: the "internet" is `tests.egressnet` (namespace `aenvci`, TEST-NET-3
+Rules: the "internet" is `tests.egressnet` (namespace `aenvci` by default, TEST-NET-3
 addresses, its own resolver, HTTP and HTTPS servers with a test CA); this
 file's node admits only that range (`AENV_EGRESS_CAP`) and checks names
 against that resolver (`AENV_EGRESS_DNS`), so nothing leaves the machine.
@@ -41,7 +41,18 @@ from tests.conftest import (
     start_node,
     stop_node,
 )
-from tests.egressnet import DNS_IP, NAMES, SUBNET, Internet, open_internet
+from tests.egressnet import (
+    DNS_IP,
+    HOST_END,
+    NAMES,
+    SUBNET,
+    UNCERTIFIED,
+    A,
+    B,
+    C,
+    Internet,
+    open_internet,
+)
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -69,7 +80,12 @@ def enode(internet: Internet) -> Iterator[NodeProc]:
             private,
             api_key="aenv_test_" + secrets.token_hex(8),
             log_path=private / "node.log",
-            extra_env={**NODE_ENV, "AENV_SLOT_CIDR": str(SLOTS[0])},
+            extra_env={
+                **NODE_ENV,
+                "AENV_SLOT_CIDR": str(SLOTS[0]),
+                # the internet's CA, for re-encrypting intercepted requests
+                "AENV_EGRESS_CA_FILE": str(internet.ca_pem),
+            },
         )
     except BaseException:
         shutil.rmtree(private, ignore_errors=True)
@@ -124,27 +140,27 @@ def test_only_named_hosts(enode: NodeProc, internet: Internet, tmp_path: Path) -
     s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
     try:
         out = fetch(s, "https://allowed.test/")
-        assert allowed(out, "203.0.113.161") and "sni=allowed.test" in out, out
-        assert allowed(fetch(s, "http://allowed.test/"), "203.0.113.161")
+        assert allowed(out, A) and "sni=allowed.test" in out, out
+        assert allowed(fetch(s, "http://allowed.test/"), A)
         # wildcards: any depth below the suffix, never the suffix itself
-        assert allowed(fetch(s, "https://api.cdn.test/"), "203.0.113.161")
-        assert allowed(fetch(s, "https://deep.api.cdn.test/"), "203.0.113.161")
+        assert allowed(fetch(s, "https://api.cdn.test/"), A)
+        assert allowed(fetch(s, "https://deep.api.cdn.test/"), A)
         assert fetch(s, "https://cdn.test/").startswith(("fail:", "curl:"))
         assert fetch(s, "https://other.test/").startswith(("fail:", "curl:"))
         # a raw IP no CIDR allows, over TLS without a name and over HTTP
-        assert "fail:" in fetch(s, "http://203.0.113.163/")
-        assert "fail:" in fetch(s, "https://203.0.113.163/")
+        assert "fail:" in fetch(s, f"http://{C}/")
+        assert "fail:" in fetch(s, f"https://{C}/")
         # an allowed name claimed to another address gets nowhere (SNI and Host)
-        assert "fail:" in fetch(s, "https://allowed.test/", to="203.0.113.162")
-        assert "fail:" in fetch(s, "http://203.0.113.162/", header="Host: allowed.test")
+        assert "fail:" in fetch(s, "https://allowed.test/", to=B)
+        assert "fail:" in fetch(s, f"http://{B}/", header="Host: allowed.test")
         info = s.get_info().network or {}
         assert info.get("allow_out") == ONLY_THESE["allow_out"]
         log = egress_log(enode, s.sandbox_id)
         verdicts = {(e["host"], e["ip"], e["verdict"]) for e in log}
-        assert ("allowed.test", "203.0.113.161", "allowed") in verdicts
-        assert ("other.test", "203.0.113.162", "denied") in verdicts
-        assert ("allowed.test", "203.0.113.162", "denied") in verdicts
-        assert ("", "203.0.113.163", "denied") in verdicts
+        assert ("allowed.test", A, "allowed") in verdicts
+        assert ("other.test", B, "denied") in verdicts
+        assert ("allowed.test", B, "denied") in verdicts
+        assert ("", C, "denied") in verdicts
         assert any(int(e["bytesIn"]) > 0 for e in log if e["verdict"] == "allowed")
         metrics = httpx.get(f"{enode.url}/metrics", headers={"X-API-Key": enode.api_key}).text
         assert 'aenv_egress_connections_total{proto="tls",verdict="allowed"}' in metrics
@@ -167,8 +183,8 @@ def test_deny_by_name_with_the_internet_open(enode: NodeProc, internet: Internet
     s = prepare(Sandbox.create("base", network={"deny_out": ["other.test"]}), internet)
     try:
         assert "fail:" in fetch(s, "https://other.test/")
-        assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
-        assert allowed(fetch(s, "http://203.0.113.163/"), "203.0.113.163")  # addresses stay open
+        assert allowed(fetch(s, "https://allowed.test/"), A)
+        assert allowed(fetch(s, f"http://{C}/"), C)  # addresses stay open
     finally:
         s.kill()
 
@@ -176,7 +192,7 @@ def test_deny_by_name_with_the_internet_open(enode: NodeProc, internet: Internet
 def test_sandboxes_without_names_skip_the_proxy(enode: NodeProc, internet: Internet) -> None:
     s = prepare(Sandbox.create("base"), internet)
     try:
-        assert allowed(fetch(s, "https://allowed.test/", to="203.0.113.162"), "203.0.113.162")
+        assert allowed(fetch(s, "https://allowed.test/", to=B), B)
         assert egress_log(enode, s.sandbox_id) == []
     finally:
         s.kill()
@@ -191,7 +207,7 @@ def test_dns_servers(enode: NodeProc, internet: Internet) -> None:
             f"curl -sS -m 5 --cacert {CA_IN_SANDBOX} https://allowed.test/ 2>&1 || echo fail:$?",
             timeout=30,
         )
-        assert allowed(r.stdout.strip(), "203.0.113.161"), r.stdout
+        assert allowed(r.stdout.strip(), A), r.stdout
         assert (s.get_info().network or {}).get("dns_servers") == [DNS_IP]
         s.update_network(ONLY_THESE)  # type: ignore[arg-type]
         r = s.commands.run("curl -sS -m 5 https://allowed.test/ 2>&1 || echo fail:$?", timeout=30)
@@ -206,19 +222,19 @@ def test_rules_change_at_runtime_and_survive_pause_and_fork(
     s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
     forks: list[Sandbox] = []
     try:
-        assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+        assert allowed(fetch(s, "https://allowed.test/"), A)
         s.update_network({"allow_out": ["other.test"], "deny_out": ["0.0.0.0/0"]})
-        assert allowed(fetch(s, "https://other.test/"), "203.0.113.162")
+        assert allowed(fetch(s, "https://other.test/"), B)
         assert "fail:" in fetch(s, "https://allowed.test/")
         s.pause()
         s = Sandbox.connect(s.sandbox_id)
-        assert allowed(fetch(s, "https://other.test/"), "203.0.113.162")
+        assert allowed(fetch(s, "https://other.test/"), B)
         assert "fail:" in fetch(s, "https://allowed.test/")
         assert (s.get_info().network or {}).get("allow_out") == ["other.test"]
         (child,) = s.fork(count=1)
         assert isinstance(child, Sandbox), child
         forks.append(child)
-        assert allowed(fetch(child, "https://other.test/"), "203.0.113.162")
+        assert allowed(fetch(child, "https://other.test/"), B)
         assert "fail:" in fetch(child, "https://allowed.test/")
     finally:
         for f in forks:
@@ -237,8 +253,8 @@ def test_host_stays_unreachable(
     try:
         t0 = time.monotonic()
         # the host's own address in the internet's subnet, its proxy port, its loopback
-        assert "fail:" in fetch(s, "http://203.0.113.174:1/")
-        assert "fail:" in fetch(s, "https://allowed.test/", to="203.0.113.174")
+        assert "fail:" in fetch(s, f"http://{HOST_END}:1/")
+        assert "fail:" in fetch(s, "https://allowed.test/", to=HOST_END)
         assert "fail:" in fetch(s, "http://127.0.0.1/")
         assert time.monotonic() - t0 < 30
     finally:
@@ -267,12 +283,12 @@ def test_rules_survive_a_node_restart(internet: Internet, tmp_path: Path) -> Non
     try:
         with sdk_pointed_at(n.url, key):
             s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
-            assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+            assert allowed(fetch(s, "https://allowed.test/"), A)
         stop_node(n, signal.SIGKILL)
         n = start()
         with sdk_pointed_at(n.url, key):
             s = Sandbox.connect(s.sandbox_id)
-            assert allowed(fetch(s, "https://allowed.test/"), "203.0.113.161")
+            assert allowed(fetch(s, "https://allowed.test/"), A)
             assert "fail:" in fetch(s, "https://other.test/")
             assert (s.get_info().network or {}).get("allow_out") == ONLY_THESE["allow_out"]
             s.kill()
@@ -309,6 +325,72 @@ def test_secrets_through_the_sdk(enode: NodeProc) -> None:
         assert Secret.destroy(info.secret_id)
     assert not Secret.exists(info.secret_id)
     assert Secret.destroy(info.secret_id) is False
+
+
+def test_rules_inject_a_secret_the_sandbox_never_holds(enode: NodeProc, internet: Internet) -> None:
+    value = "sk-rule-" + secrets.token_hex(16)
+    key = Secret.create("egress-rule-key", value)
+    wrong = next(iter(UNCERTIFIED))
+    headers = {"X-Api-Key": Secret.fill("egress-rule-key"), "X-Static": "yes"}
+    network = {
+        "allow_out": ["allowed.test", "other.test", wrong],
+        "deny_out": ["0.0.0.0/0"],
+        "rules": {
+            "allowed.test": [{"transform": {"headers": headers}}],
+            wrong: [{"transform": {"headers": headers}}],
+        },
+    }
+    s = prepare(Sandbox.create("base", network=network), internet)  # type: ignore[arg-type]
+    try:
+        # names as the host's resolver gives them, for every client in the sandbox
+        hosts = "".join(f"{ips[0]} {n}\n" for n, ips in {**NAMES, **UNCERTIFIED}.items())
+        s.commands.run(f"printf '{hosts}' >> /etc/hosts", user="root")
+
+        def run(cmd: str) -> str:
+            return s.commands.run(cmd + " 2>&1 || echo fail:$?", timeout=60).stdout
+
+        # HTTPS through the system trust store (no --cacert): the server sees
+        # the secret (`/headers` echoes what it received, so only the test
+        # reads it), the sandbox's own X-Api-Key is replaced
+        out = run("curl -sS -m 5 -H 'X-Api-Key: mine' https://allowed.test/headers")
+        assert f"X-Api-Key: {value}" in out and "X-Static: yes" in out, out
+        assert "mine" not in out
+        # what the sandbox itself sent (a path that echoes nothing)
+        trace = "/tmp/curl-trace"
+        out = run(f"curl -sS -m 5 --trace-ascii {trace} -H 'X-Api-Key: mine' https://allowed.test/")
+        assert allowed(out, A), out
+        # plain HTTP gets the headers too; so do Python clients (SSL_CERT_FILE)
+        assert f"X-Api-Key: {value}" in run("curl -sS -m 5 http://allowed.test/headers")
+        py = run(
+            'python3 -c "import urllib.request as u;'
+            " print(u.urlopen('https://allowed.test/headers', timeout=5).read().decode())\""
+        )
+        assert f"X-Api-Key: {value}" in py, py
+        # a host without rules is not intercepted: its real certificate (test CA)
+        assert allowed(fetch(s, "https://other.test/"), B)
+        # ... while the rules' host presents the node's CA, which the test CA does not verify
+        assert "fail:" in fetch(s, "https://allowed.test/")
+        # a host whose certificate does not name it never gets the request
+        assert "fail:" in run(f"curl -sS -m 5 https://{wrong}/headers")
+        # the value is nowhere in the sandbox: env, its request bytes, its files
+        seen = run("env; cat /proc/[0-9]*/environ | tr '\\0' '\\n'; cat " + trace)
+        assert "X-Api-Key: mine" in seen and value not in seen
+        found = run(
+            "grep -rlsF --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev"
+            f" --exclude-dir=opt -e {value} / | head -5"
+        )
+        assert found.strip() in ("", "fail:1"), found
+        info = s.get_info().network or {}
+        assert info.get("rules", {}).get("allowed.test") == [{"transform": {"headers": headers}}]
+        log = egress_log(enode, s.sandbox_id)
+        assert any(e["host"] == wrong and "upstream TLS" in e["reason"] for e in log), log
+        # kept across pause and resume
+        s.pause()
+        s = Sandbox.connect(s.sandbox_id)
+        assert f"X-Api-Key: {value}" in run("curl -sS -m 5 https://allowed.test/headers")
+    finally:
+        s.kill()
+        Secret.destroy(key.secret_id)
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")

@@ -1,7 +1,7 @@
 """The egress proxy on the host's real path, without runsc: nftables redirect, SNI/Host, resolver.
 
 Rules: needs root, `ip`, `nft` and curl. The internet is `tests.egressnet`
-(netns `aenvcip`); the slots are a `HostNetwork` with prefix `aenvcp` in
+(netns `aenvcip` by default); the slots are a `HostNetwork` with prefix `aenvcp` in (by default)
 10.232.202.0/24 whose table carries the proxy's port; the proxy runs in the
 test's trio loop and asks the internet's resolver. The "sandbox" is curl in
 a slot's namespace (the kernel's netstack; gVisor's sits behind the same
@@ -28,7 +28,7 @@ from aenv.node.egress import (
 )
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.runtimes.netns import HostNetwork, NetSlot, open_host_network
-from tests.egressnet import DNS_IP, NAMES, SUBNET, Internet, open_internet
+from tests.egressnet import DNS_IP, NAMES, PREFIX, SUBNET, Internet, open_internet
 
 pytestmark = [
     pytest.mark.runsc,
@@ -39,6 +39,9 @@ pytestmark = [
 ]
 
 ALLOWED, OTHER = NAMES["allowed.test"][0], NAMES["other.test"][0]
+# this file's host network: its own names and range (a concurrent run sets others)
+NS_PREFIX = PREFIX.removesuffix("i") + "p"
+SLOTS = os.environ.get("AENV_TEST_EGRESS_SLOTS", "10.232.202.0/24")
 
 
 def policy(**network: object) -> EgressPolicy:
@@ -58,9 +61,9 @@ async def proxied(
     async with (
         await open_egress_listener() as listener,
         open_host_network(
-            cidr="10.232.202.0/24",
-            prefix="aenvcp",
-            table="aenvcp",
+            cidr=SLOTS,
+            prefix=NS_PREFIX,
+            table=NS_PREFIX,
             max_slots=4,
             egress_cap=[SUBNET],
             proxy_port=listener_port(listener),
