@@ -1278,7 +1278,10 @@ class SandboxActor:
     async def _set_network(self, policy: EgressPolicy) -> None:
         assert self._slot is not None
         await self.node.host.network.set_policy(self._slot, policy)
+        newly_intercepted = bool(policy.rules) and not self.policy.rules
         self.policy = policy
+        if newly_intercepted:
+            await self._init_envd(resumed=True)  # its clients now trust the egress CA
         self._log("network policy updated")
 
     # -- API used by the node/HTTP layer -------------------------------------

@@ -393,6 +393,24 @@ def test_rules_inject_a_secret_the_sandbox_never_holds(enode: NodeProc, internet
         Secret.destroy(key.secret_id)
 
 
+def test_rules_added_at_runtime(enode: NodeProc, internet: Internet) -> None:
+    s = Sandbox.create("base", network=ONLY_THESE)  # type: ignore[arg-type]
+    try:
+        s.commands.run(f"printf '{A} allowed.test\\n' >> /etc/hosts", user="root")
+        url = "https://allowed.test/headers"
+        # the node's CA is not trusted (nor needed) before rules exist
+        assert s.commands.run("test -e /usr/local/share/aenv/egress-ca.pem || echo none").stdout
+        rules = {"allowed.test": [{"transform": {"headers": {"X-Added": "later"}}}]}
+        s.update_network({**ONLY_THESE, "rules": rules})  # type: ignore[typeddict-unknown-key]
+        r = s.commands.run(f"curl -sS -m 5 {url} 2>&1 || echo fail:$?", timeout=30)
+        assert "X-Added: later" in r.stdout, r.stdout
+        s.update_network(ONLY_THESE)  # type: ignore[arg-type]
+        r = s.commands.run(f"curl -sS -m 5 {url} 2>&1 || echo fail:$?", timeout=30)
+        assert "fail:" in r.stdout  # passed through again: the test CA is not in the store
+    finally:
+        s.kill()
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
 def test_npm_sdk(enode: NodeProc, internet: Internet) -> None:
     js = Path(__file__).resolve().parent.parent / "js"
