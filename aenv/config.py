@@ -77,6 +77,9 @@ class Config:
     # Extra CAs (PEM file) the egress proxy trusts, besides /etc/ssl/certs, when
     # it re-encrypts an intercepted request to its host (AENV_EGRESS_CA_FILE).
     egress_ca_file: Path | None = None
+    # The OIDC issuer URL of sandboxes' workload tokens (AENV_OIDC_ISSUER; relying
+    # parties fetch `{issuer}/.well-known/jwks.json`); None: the advertised URL.
+    oidc_issuer: str | None = None
     # The egress proxy's port on the host (AENV_EGRESS_PORT); 0: one the kernel picks.
     egress_port: int = 0
     default_timeout_s: int = 300
@@ -300,6 +303,8 @@ class Config:
             )
         if env.get("AENV_EGRESS_DNS"):
             kw["egress_dns"] = tuple(_csv(env["AENV_EGRESS_DNS"]))
+        if env.get("AENV_OIDC_ISSUER"):
+            kw["oidc_issuer"] = env["AENV_OIDC_ISSUER"].rstrip("/")
         if env.get("AENV_EGRESS_CA_FILE"):
             kw["egress_ca_file"] = Path(env["AENV_EGRESS_CA_FILE"])
         if env.get("AENV_EGRESS_PORT"):

@@ -116,7 +116,7 @@ async def run_client(netns: str, ca: Path, n: int, mib: int, repeat: int) -> dic
     return result
 
 
-async def reveal(p: Placeholder) -> str:
+async def reveal(_slot: int, _policy: EgressPolicy, _p: Placeholder) -> str:
     return "bench-secret-value"
 
 

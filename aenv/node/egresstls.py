@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import os
 import ssl
@@ -201,6 +202,8 @@ class _Replay(trio.abc.Stream):
 
 
 Resolve = Callable[[Placeholder], Awaitable[str]]
+# (slot, its policy, placeholder) -> the value; LookupError: none
+Reveal = Callable[[int, EgressPolicy, Placeholder], Awaitable[str]]
 
 
 class Intercept:
@@ -302,13 +305,13 @@ async def _pump(
 def interceptor(
     ca: NodeCA,
     verify: ssl.SSLContext,
-    resolve: Resolve,
+    reveal: Reveal,
 ) -> Callable[[int, EgressPolicy, Decision, str | None, str], Intercept | None]:
     """The `EgressProxy.intercept` hook: an `Intercept` for connections to
     hosts the sandbox's `network.rules` name (TLS or HTTP), None for the rest."""
 
     def choose(
-        _slot: int, policy: EgressPolicy, _d: Decision, name: str | None, proto: str
+        slot: int, policy: EgressPolicy, _d: Decision, name: str | None, proto: str
     ) -> Intercept | None:
         if not policy.rules or proto not in ("tls", "http"):
             return None
@@ -318,7 +321,7 @@ def interceptor(
         return Intercept(
             name=name,
             headers=headers,
-            resolve=resolve,
+            resolve=functools.partial(reveal, slot, policy),
             tls=(ca, verify) if proto == "tls" else None,
         )
 

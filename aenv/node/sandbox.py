@@ -24,7 +24,7 @@ import shutil
 import ssl
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -1166,10 +1166,12 @@ class SandboxActor:
                     self.lifecycle.step(lc.Kill(reason))
                     self._killers.append(req)  # answered once teardown is done
                 case SetNetwork(policy, allow_internet):
+                    # an update carries no `iam`: the sandbox keeps its workload tokens
+                    policy = replace(policy, iam_tokens=self.policy.iam_tokens)
                     if paused and not self.frozen_pause:
                         self.policy = policy  # applied to the next running period's slot
                     else:
-                        await self._set_network(policy)
+                        await self._set_network(policy, update=True)
                     self.allow_internet_access = allow_internet
                     if self._journaled is not None:
                         await self._journal(self._journaled)
@@ -1275,12 +1277,17 @@ class SandboxActor:
         await self._journal("running")
         self._log(f"adopted from the pool in {1000 * (time.perf_counter() - t0):.0f} ms")
 
-    async def _set_network(self, policy: EgressPolicy) -> None:
+    @property
+    def slot_index(self) -> int | None:
+        """The network slot the sandbox holds now (None: none open)."""
+        return None if self._slot is None else self._slot.index
+
+    async def _set_network(self, policy: EgressPolicy, *, update: bool = False) -> None:
         assert self._slot is not None
         await self.node.host.network.set_policy(self._slot, policy)
         newly_intercepted = bool(policy.rules) and not self.policy.rules
         self.policy = policy
-        if newly_intercepted:
+        if newly_intercepted and update:
             await self._init_envd(resumed=True)  # its clients now trust the egress CA
         self._log("network policy updated")
 

@@ -122,19 +122,21 @@ def substitute(value: str, resolve: Callable[[Placeholder], str]) -> str:
     return _PLACEHOLDER.sub(one, value)
 
 
-def parse_rules(raw: object, *, iam_tokens: Iterable[str] = ()) -> HostRules:
+def parse_rules(raw: object, *, iam_tokens: Iterable[str] | None = ()) -> HostRules:
     """Validate `network.rules` (E2B wire shape) into `HostRules`.
 
     Keys are host names or `*.suffix` wildcards (CIDR and IP keys are
     refused: interception is by name). `iam_tokens` are the workload tokens
-    the sandbox registers; a token placeholder naming another is refused."""
+    the sandbox registers; a token placeholder naming another is refused
+    (None: not known here, any name passes and an unknown one fails when
+    the proxy resolves it)."""
     if raw is None:
         return HostRules()
     if not isinstance(raw, Mapping):
         raise PolicyError("network.rules must be an object of host -> list of rules")
     if len(raw) > MAX_HOSTS:
         raise PolicyError(f"network.rules has {len(raw)} hosts; at most {MAX_HOSTS}")
-    tokens = set(iam_tokens)
+    tokens = None if iam_tokens is None else set(iam_tokens)
     out: dict[str, dict[str, tuple[str, str]]] = {}
     for host, rules in raw.items():
         pattern = host_pattern(host) if isinstance(host, str) else None
@@ -162,7 +164,7 @@ def parse_rules(raw: object, *, iam_tokens: Iterable[str] = ()) -> HostRules:
     return HostRules(tuple((h, tuple(hs.values())) for h, hs in out.items()))
 
 
-def _check_header(host: object, k: object, v: object, tokens: set[str]) -> None:
+def _check_header(host: object, k: object, v: object, tokens: set[str] | None) -> None:
     if not isinstance(k, str) or not _TOKEN.match(k):
         raise PolicyError(f"network.rules[{host!r}]: invalid header name {k!r}")
     if k.lower() in _RESERVED:
@@ -170,7 +172,7 @@ def _check_header(host: object, k: object, v: object, tokens: set[str]) -> None:
     if not isinstance(v, str) or len(v) > MAX_HEADER_VALUE or re.search(r"[\r\n\x00]", v):
         raise PolicyError(f"network.rules[{host!r}]: invalid value for header {k!r}")
     for p in placeholders(v):
-        if p.kind == "token" and p.name not in tokens:
+        if p.kind == "token" and tokens is not None and p.name not in tokens:
             raise PolicyError(
                 f"network.rules[{host!r}]: workload token {p.name!r} is not in iam.tokens"
             )

@@ -212,6 +212,9 @@ class EgressPolicy:
     # `network.rules` as `aenv.proto.egressrules.HostRules.rules`: (host pattern,
     # headers) pairs; their hosts' connections are intercepted, never allowed by it
     rules: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    # the sandbox's workload tokens (`iam`) as (name, audience, token type):
+    # what `${e2b.identity.tokens.NAME}` in its rules resolves to
+    iam_tokens: tuple[tuple[str, str, str], ...] = ()
     # resolvers opened when `allow_hosts` is not empty (None: the default, 8.8.8.8)
     dns_servers: tuple[str, ...] | None = None
     # The lists as the client spelled them, reported back by GET as E2B does.
@@ -254,6 +257,7 @@ class EgressPolicy:
             "denyHosts": list(self.deny_hosts),
             "dnsServers": None if self.dns_servers is None else list(self.dns_servers),
             "rules": [[h, [[k, v] for k, v in hs]] for h, hs in self.rules],
+            "iamTokens": [list(t) for t in self.iam_tokens],
             "allowOutGiven": None if self.allow_out_given is None else list(self.allow_out_given),
             "denyOutGiven": None if self.deny_out_given is None else list(self.deny_out_given),
         }
@@ -273,6 +277,7 @@ class EgressPolicy:
             rules=tuple(
                 (str(h), tuple((str(k), str(v)) for k, v in hs)) for h, hs in p.get("rules") or ()
             ),
+            iam_tokens=tuple((str(n), str(a), str(t)) for n, a, t in p.get("iamTokens") or ()),
             allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
             deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
         )

@@ -13,7 +13,9 @@ really went.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
+import json
 import os
 import secrets
 import shutil
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from e2b import Sandbox, Secret, SecretException
 
 from tests.conftest import (
@@ -391,6 +395,52 @@ def test_rules_inject_a_secret_the_sandbox_never_holds(enode: NodeProc, internet
     finally:
         s.kill()
         Secret.destroy(key.secret_id)
+
+
+def test_iam_token_verified_against_the_jwks(enode: NodeProc, internet: Internet) -> None:
+    iam = {"tokens": {"aws": Secret.iam_token(audience="sts.test", token_type="JWT-SVID")}}
+    rules = {
+        "allowed.test": [
+            {
+                "transform": lambda ctx: {
+                    "headers": {"Authorization": f"Bearer {ctx.iam.tokens['aws']}"}
+                }
+            }
+        ]
+    }
+    s = Sandbox.create("base", network={**ONLY_THESE, "rules": rules}, iam=iam)  # type: ignore[arg-type,typeddict-item]
+    try:
+        s.commands.run(f"printf '{A} allowed.test\\n' >> /etc/hosts", user="root")
+        tokens = []
+        for _ in range(2):
+            r = s.commands.run("curl -sS -m 5 https://allowed.test/headers 2>&1 || echo fail:$?")
+            line = next((x for x in r.stdout.splitlines() if x.startswith("Authorization:")), "")
+            assert line.startswith("Authorization: Bearer ey"), r.stdout
+            tokens.append(line.split()[-1].strip())
+        assert tokens[0] != tokens[1]  # minted per request
+        head, body, sig = tokens[0].split(".")
+        conf = httpx.get(f"{enode.url}/.well-known/openid-configuration").json()  # no API key
+        assert conf["issuer"] == enode.url.rstrip("/")
+        jwks = httpx.get(conf["jwks_uri"]).json()
+        header = json.loads(_unb64(head))
+        (jwk,) = [k for k in jwks["keys"] if k["kid"] == header["kid"]]
+        pub = rsa.RSAPublicNumbers(
+            int.from_bytes(_unb64(jwk["e"]), "big"), int.from_bytes(_unb64(jwk["n"]), "big")
+        ).public_key()
+        pub.verify(_unb64(sig), f"{head}.{body}".encode(), padding.PKCS1v15(), hashes.SHA256())
+        claims = json.loads(_unb64(body))
+        assert claims["iss"] == conf["issuer"] and claims["aud"] == "sts.test"
+        assert claims["sandbox_id"] == s.sandbox_id and claims["sub"].endswith(s.sandbox_id)
+        assert 0 < claims["exp"] - time.time() <= 300
+        # the token never sat in the sandbox: a fresh one per request, minted outside
+        seen = s.commands.run("env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'").stdout
+        assert tokens[0] not in seen
+    finally:
+        s.kill()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.urlsafe_b64decode(s + "=" * (-len(s) % 4))
 
 
 def test_rules_added_at_runtime(enode: NodeProc, internet: Internet) -> None:

@@ -113,3 +113,8 @@ def test_rewrite_refuses(head: bytes) -> None:
 def test_head_too_long() -> None:
     with pytest.raises(HeadError):
         head_end(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 20000)
+
+
+def test_token_names_unknown_on_update_pass() -> None:
+    rules = parse_rules({"a.test": [rule(X="${e2b.identity.tokens.aws}")]}, iam_tokens=None)
+    assert rules.placeholders() == {Placeholder("token", "aws")}
