@@ -508,7 +508,9 @@ class EgressProxy:
             return
         finally:
             self.active -= 1
-        self._record(event(True, decision.reason, done))
+        self._record(
+            event(True, decision.reason + ("; rules applied" if intercepted else ""), done)
+        )
 
     async def _read_name(
         self, client: trio.SocketStream, wait_s: float | None = None

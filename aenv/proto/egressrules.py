@@ -203,6 +203,9 @@ def rewrite_head(head: bytes, inject: Iterable[tuple[str, str]]) -> bytes:
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise HeadError(f"not an HTTP/1.x request line: {lines[0][:80]!r}")
     injected = list(inject)
+    for k, v in injected:  # checked again here: a head is never split by a value
+        if not _TOKEN.match(k) or re.search(r"[\r\n\x00]", v):
+            raise HeadError(f"header {k[:40]!r} cannot be injected")
     drop = {k.lower() for k, _ in injected} | {"connection", "keep-alive", "proxy-connection"}
     kept = [lines[0]]
     for line in lines[1:]:

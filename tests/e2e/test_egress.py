@@ -388,6 +388,7 @@ def test_rules_inject_a_secret_the_sandbox_never_holds(enode: NodeProc, internet
         assert info.get("rules", {}).get("allowed.test") == [{"transform": {"headers": headers}}]
         log = egress_log(enode, s.sandbox_id)
         assert any(e["host"] == wrong and "upstream TLS" in e["reason"] for e in log), log
+        assert any(e["host"] == "allowed.test" and "rules applied" in e["reason"] for e in log)
         # kept across pause and resume
         s.pause()
         s = Sandbox.connect(s.sandbox_id)

@@ -118,3 +118,8 @@ def test_head_too_long() -> None:
 def test_token_names_unknown_on_update_pass() -> None:
     rules = parse_rules({"a.test": [rule(X="${e2b.identity.tokens.aws}")]}, iam_tokens=None)
     assert rules.placeholders() == {Placeholder("token", "aws")}
+
+
+def test_rewrite_refuses_a_value_that_would_split_the_head() -> None:
+    with pytest.raises(HeadError):
+        rewrite_head(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n", [("X", "a\r\n\r\nGET /evil")])
