@@ -24,10 +24,12 @@ Every decided connection becomes an `EgressEvent` (host, address, port,
 verdict, reason, bytes) handed to `on_event` (the node puts it in the
 sandbox's log) and counted in the proxy's `statistics()`.
 
-How a connection is carried once allowed is a `Relay`: pass-through today;
-a TLS-terminating relay that applies `network.rules` transforms (headers,
-secrets) plugs in as another `Relay` chosen per connection by `relay_for`,
-with the sniffed head bytes and the decision in hand.
+How a connection is carried once allowed is a `Relay`: `PassThrough` by
+default; for a host the sandbox's `network.rules` name, the `intercept` hook
+(`aenv.node.egresstls.interceptor`) returns an `Intercept` that injects the
+rules' headers (terminating TLS with the node's egress CA for HTTPS). Such a
+name must prove itself against the node's resolver even where the address
+alone would allow the connection.
 """
 
 from __future__ import annotations
@@ -351,8 +353,7 @@ def _nodelay(stream: trio.SocketStream) -> None:
 
 
 def relay_for(policy: EgressPolicy, decision: Decision, name: str | None) -> Relay:
-    """The relay for an allowed connection; every one passes through for now
-    (interception for `network.rules` hosts chooses another here)."""
+    """The relay for an allowed connection the `intercept` hook left alone: pass-through."""
     return PASS_THROUGH
 
 
