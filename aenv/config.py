@@ -74,6 +74,12 @@ class Config:
     # a sandbox's connection claims has the address it dialled (AENV_EGRESS_DNS);
     # empty: the host's own resolver (getaddrinfo).
     egress_dns: tuple[str, ...] = ()
+    # Extra CAs (PEM file) the egress proxy trusts, besides /etc/ssl/certs, when
+    # it re-encrypts an intercepted request to its host (AENV_EGRESS_CA_FILE).
+    egress_ca_file: Path | None = None
+    # The OIDC issuer URL of sandboxes' workload tokens (AENV_OIDC_ISSUER; relying
+    # parties fetch `{issuer}/.well-known/jwks.json`); None: the advertised URL.
+    oidc_issuer: str | None = None
     # The egress proxy's port on the host (AENV_EGRESS_PORT); 0: one the kernel picks.
     egress_port: int = 0
     default_timeout_s: int = 300
@@ -297,6 +303,10 @@ class Config:
             )
         if env.get("AENV_EGRESS_DNS"):
             kw["egress_dns"] = tuple(_csv(env["AENV_EGRESS_DNS"]))
+        if env.get("AENV_OIDC_ISSUER"):
+            kw["oidc_issuer"] = env["AENV_OIDC_ISSUER"].rstrip("/")
+        if env.get("AENV_EGRESS_CA_FILE"):
+            kw["egress_ca_file"] = Path(env["AENV_EGRESS_CA_FILE"])
         if env.get("AENV_EGRESS_PORT"):
             kw["egress_port"] = int(env["AENV_EGRESS_PORT"])
         if "AENV_NODE_TAG" in env:

@@ -11,14 +11,20 @@ node's real nftables table with the proxy's port) and the node's
   (an address rule: nftables only, no proxy);
 - **proxied**: policy `allowOut: [allowed.test], denyOut: [0.0.0.0/0]`
   (a name rule: every TCP connection goes through the proxy, which reads the
-  SNI, checks the address against the resolver, cached, and splices).
+  SNI, checks the address against the resolver, cached, and splices);
+- **intercepted**: the same plus `network.rules` for `allowed.test` with a
+  header holding a secret placeholder: the proxy terminates TLS with the
+  node's egress CA (`aenv.node.egresstls`, in a temporary directory),
+  verifies the server, resolves the placeholder and injects the header.
 
 A client process runs in each slot's namespace (the sandbox's place) and,
 `--n` times, opens a new TCP+TLS connection to `allowed.test:443`, sends
 `GET /` and reads the answer; the time of each is one sample (p50/p95; the
 difference is the proxy's added latency). Then it downloads `--mib` MiB
 (`GET /bytes/N`, over TLS) `--repeat` times and reports the best MiB/s.
-Both slots alternate in the same run.
+The slots alternate in the same run. `AENV_TEST_EGRESS_PREFIX`/`_SUBNET`
+(see `tests.egressnet`) and `AENV_BENCH_EGRESS_SLOTS` move it off the
+default names and ranges.
 
     sudo .venv/bin/python bench/egress.py [--n 300] [--mib 100] [--repeat 3]
 
@@ -28,6 +34,7 @@ Needs root, `ip` and `nft`. Leaves nothing behind (netns, veths, table).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -47,9 +54,14 @@ from aenv.node.egress import (  # noqa: E402
     listener_port,
     open_egress_listener,
 )
+from aenv.node.egresstls import NodeCA, interceptor, upstream_context  # noqa: E402
+from aenv.proto.egressrules import Placeholder, parse_rules  # noqa: E402
 from aenv.proto.netpolicy import EgressPolicy  # noqa: E402
 from aenv.runtimes.netns import open_host_network  # noqa: E402
-from tests.egressnet import DNS_IP, NAMES, SUBNET, open_internet  # noqa: E402
+from tests.egressnet import DNS_IP, NAMES, PREFIX, SUBNET, open_internet  # noqa: E402
+
+NS_PREFIX = PREFIX.removesuffix("i") + "b"
+SLOTS = os.environ.get("AENV_BENCH_EGRESS_SLOTS", "10.232.200.0/24")
 
 SERVER_IP = NAMES["allowed.test"][0]
 
@@ -104,7 +116,13 @@ async def run_client(netns: str, ca: Path, n: int, mib: int, repeat: int) -> dic
     return result
 
 
-async def bench(args: argparse.Namespace, ca: Path) -> dict[str, dict[str, float]]:
+async def reveal(_slot: int, _policy: EgressPolicy, _p: Placeholder) -> str:
+    return "bench-secret-value"
+
+
+async def bench(
+    args: argparse.Namespace, ca: Path, node_ca: NodeCA, trusted: Path
+) -> dict[str, dict[str, float]]:
     direct = EgressPolicy.from_request(
         allow_internet_access=None,
         network={"allowOut": [SERVER_IP], "denyOut": ["0.0.0.0/0"]},
@@ -113,30 +131,42 @@ async def bench(args: argparse.Namespace, ca: Path) -> dict[str, dict[str, float
         allow_internet_access=None,
         network={"allowOut": ["allowed.test"], "denyOut": ["0.0.0.0/0"]},
     )
+    rules = parse_rules(
+        {"allowed.test": [{"transform": {"headers": {"X-Api-Key": "${e2b.secrets.k}"}}}]}
+    )
+    intercepted = dataclasses.replace(named, rules=rules.rules)
     results: dict[str, dict[str, list[float]]] = {
-        k: {"lat": [], "mib_s": []} for k in ("direct", "proxied")
+        k: {"lat": [], "mib_s": []} for k in ("direct", "proxied", "intercepted")
     }
     async with (
         await open_egress_listener() as listener,
         open_host_network(
-            cidr="10.232.200.0/24",
-            prefix="aenvcb",
-            table="aenvcb",
+            cidr=SLOTS,
+            prefix=NS_PREFIX,
+            table=NS_PREFIX,
             max_slots=4,
             egress_cap=[SUBNET],
             proxy_port=listener_port(listener),
         ) as network,
         trio.open_nursery() as nursery,
     ):
-        proxy = EgressProxy(policies=network, resolver=Resolver([DNS_IP]))
+        proxy = EgressProxy(
+            policies=network,
+            resolver=Resolver([DNS_IP]),
+            intercept=interceptor(node_ca, upstream_context(ca), reveal),
+        )
         await nursery.start(proxy.serve, listener)
         cpu = 0.0
-        async with network.open_slot(direct) as d, network.open_slot(named) as p:
+        async with (
+            network.open_slot(direct) as d,
+            network.open_slot(named) as p,
+            network.open_slot(intercepted) as i,
+        ):
             for _ in range(args.rounds):
-                for key, slot in (("direct", d), ("proxied", p)):
+                for key, slot in (("direct", d), ("proxied", p), ("intercepted", i)):
                     t0 = time.process_time()
                     r = await run_client(
-                        slot.netns_name, ca, args.n // args.rounds, args.mib, args.repeat
+                        slot.netns_name, trusted, args.n // args.rounds, args.mib, args.repeat
                     )
                     if key == "proxied":
                         cpu += time.process_time() - t0
@@ -174,8 +204,11 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="aenv-bench-egress-") as tmp,
         open_internet(Path(tmp), prefix="aenvcib") as net,
     ):
-        out = trio.run(bench, args, net.ca_pem)
-    d, p = out["direct"], out["proxied"]
+        node_ca = NodeCA(Path(tmp) / "egress-ca")
+        trusted = Path(tmp) / "trusted.pem"  # the client trusts the server's CA and the node's
+        trusted.write_text(net.ca_pem.read_text() + node_ca.cert_pem)
+        out = trio.run(bench, args, net.ca_pem, node_ca, trusted)
+    d, p, i = out["direct"], out["proxied"], out["intercepted"]
     print(f"{'path':10} {'p50 ms':>8} {'p95 ms':>8} {'MiB/s':>8}")
     for k, v in out.items():
         print(f"{k:10} {v['p50_ms']:8.2f} {v['p95_ms']:8.2f} {v['mib_s']:8.0f}")
@@ -183,6 +216,10 @@ def main() -> None:
         f"added by the proxy: p50 {p['p50_ms'] - d['p50_ms']:+.2f} ms, "
         f"p95 {p['p95_ms'] - d['p95_ms']:+.2f} ms; throughput {p['mib_s'] / d['mib_s']:.2f}x direct; "
         f"proxy CPU {p['cpu_ms_per_100mib']:.0f} ms per 100 MiB relayed"
+    )
+    print(
+        f"added by interception: p50 {i['p50_ms'] - d['p50_ms']:+.2f} ms, "
+        f"p95 {i['p95_ms'] - d['p95_ms']:+.2f} ms; throughput {i['mib_s'] / d['mib_s']:.2f}x direct"
     )
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")

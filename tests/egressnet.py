@@ -12,7 +12,8 @@ internet) and, inside the namespace, one process that serves:
   address>\\n` so a test sees where a request really went, and from where;
   the HTTPS certificate comes from a test CA (`Internet.ca_pem`) and names
   every host in `NAMES` and every address (`Internet.cert`, `Internet.key`);
-- `GET /bytes/N` answers N zero bytes (a download for benchmarks).
+- `GET /bytes/N` answers N zero bytes (a download for benchmarks);
+- `GET /headers` answers the request head as received.
 
 Leaving the block kills the process and deletes the namespace and veth.
 Names only this module uses; nothing leaves the machine. Concurrent runs on
@@ -20,6 +21,9 @@ one machine set `AENV_TEST_EGRESS_PREFIX` (netns and veth names; the default
 `aenvci`) and `AENV_TEST_EGRESS_SUBNET` (a /28 of TEST-NET ranges; the
 default 203.0.113.160/28): every address below is an offset in it.
 `PROXY_IP` is kept free for a SOCKS5 server (`tests.socksserver`).
+
+`wrong.test` resolves but the certificate does not name it: a host that
+cannot prove its name over TLS.
 """
 
 from __future__ import annotations
@@ -38,24 +42,27 @@ from tests.tlscerts import TestCA
 
 PREFIX = os.environ.get("AENV_TEST_EGRESS_PREFIX", "aenvci")
 SUBNET = os.environ.get("AENV_TEST_EGRESS_SUBNET", "203.0.113.160/28")
-_BASE = ipaddress.IPv4Network(SUBNET).network_address
+_NET = ipaddress.IPv4Network(SUBNET)
 
 
 def _at(offset: int) -> str:
-    return str(_BASE + offset)
+    return str(_NET[offset])
 
 
 HOST_END = _at(14)
 DNS_IP = _at(5)
 PROXY_IP = _at(6)
-ADDRESSES = (_at(1), _at(2), _at(3), DNS_IP, PROXY_IP)
+A, B, C = _at(1), _at(2), _at(3)
+ADDRESSES = (A, B, C, DNS_IP, PROXY_IP)
 NAMES: dict[str, list[str]] = {
-    "allowed.test": [_at(1)],
-    "api.cdn.test": [_at(1)],
-    "deep.api.cdn.test": [_at(1)],
-    "cdn.test": [_at(1)],
-    "other.test": [_at(2)],
+    "allowed.test": [A],
+    "api.cdn.test": [A],
+    "deep.api.cdn.test": [A],
+    "cdn.test": [A],
+    "other.test": [B],
 }
+# resolves, but the internet's certificate does not name it
+UNCERTIFIED: dict[str, list[str]] = {"wrong.test": [C]}
 
 SERVER = r"""
 import socket, socketserver, ssl, sys, threading
@@ -94,6 +101,9 @@ class Http(socketserver.StreamRequestHandler):
             while n > 0:
                 self.request.sendall(block[: min(n, len(block))])
                 n -= len(block)
+            return
+        if path == "/headers":  # the request head as the server received it
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(head) + head)
             return
         me = self.request.getsockname()[0]
         peer = self.client_address[0]
@@ -146,6 +156,7 @@ def _quiet(*args: str) -> None:
 
 @contextlib.contextmanager
 def open_internet(tmp: Path, *, prefix: str) -> Iterator[Internet]:
+    prefix = PREFIX + prefix.removeprefix("aenvci")
     ns, host_if, ns_if = prefix, f"{prefix}0", f"{prefix}1"
     _quiet("ip", "link", "del", host_if)
     _quiet("ip", "netns", "del", ns)
@@ -156,14 +167,15 @@ def open_internet(tmp: Path, *, prefix: str) -> Iterator[Internet]:
     try:
         _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         _sh("ip", "link", "set", ns_if, "netns", ns)
-        _sh("ip", "addr", "add", f"{HOST_END}/28", "dev", host_if)
+        _sh("ip", "addr", "add", f"{HOST_END}/{_NET.prefixlen}", "dev", host_if)
         _sh("ip", "link", "set", host_if, "up")
         for ip in ADDRESSES:
-            _sh("ip", "-n", ns, "addr", "add", f"{ip}/28", "dev", ns_if)
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/{_NET.prefixlen}", "dev", ns_if)
         _sh("ip", "-n", ns, "link", "set", ns_if, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         _sh("ip", "-n", ns, "route", "add", "default", "via", HOST_END)
-        names = ",".join(f"{n}={ip}" for n, ips in NAMES.items() for ip in ips)
+        every = {**NAMES, **UNCERTIFIED}
+        names = ",".join(f"{n}={ip}" for n, ips in every.items() for ip in ips)
         root = str(Path(__file__).resolve().parent.parent)
         argv = [sys.executable, "-c", SERVER, root, str(cert), str(key), names, DNS_IP]
         proc = subprocess.Popen(

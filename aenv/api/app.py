@@ -4,7 +4,8 @@ Routes and bodies follow the `e2b` SDKs' generated clients. `create_app`
 only assembles the app: the API key check and request counting around every
 route, the error handlers (`aenv.api.common`), and the blueprints:
 sandboxes, logs, snapshots, templates, builds, images, health and metrics,
-and the exec WebSocket. Every route but `/health` needs `X-API-Key`,
+and the exec WebSocket. Every route but `/health` and the OIDC documents
+(`/.well-known/...`) needs `X-API-Key`,
 compared in constant time. Errors are E2B's `{"code", "message"}` bodies
 with its status codes; a feature this node cannot honour yet is refused
 with 400 (or 501 for whole endpoints), never silently ignored.
@@ -23,6 +24,7 @@ from aenv.api import (
     cluster,
     exec_ws,
     health,
+    identity,
     images,
     logs,
     sandboxes,
@@ -40,6 +42,7 @@ from aenv.node.service import SandboxService
 
 BLUEPRINTS = (
     health.bp,
+    identity.bp,  # OIDC discovery and JWKS of workload tokens (no API key)
     sandboxes.bp,
     logs.bp,
     snapshots.bp,
@@ -90,7 +93,9 @@ def create_app(
         # Consume the (size-capped) body before any early answer: a keep-alive
         # connection whose request body was left unread stalls the next request.
         await request.get_data()
-        if request.path == "/health" or volumes.is_content_route(request.path):
+        if request.path == "/health" or request.path.startswith(identity.PREFIX):
+            return None  # public: load balancers; relying parties of workload tokens
+        if volumes.is_content_route(request.path):
             return None  # the content API takes a volume's token (the route checks it)
         refusal = api_key_refusal(
             request.headers.get("X-API-Key", ""), request.headers.get("Authorization", ""), key

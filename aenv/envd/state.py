@@ -16,6 +16,8 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Any
 
+from aenv.envd import trust
+
 DEFAULT_USER = "root"
 
 
@@ -100,6 +102,16 @@ class EnvdState:
                 raise InitError(400, "envVars must map strings to strings")
             self.env_vars = {"E2B_SANDBOX": self.env_vars.get("E2B_SANDBOX", "true")}
             self.env_vars.update(env_vars)
+        ca = body.get("caCertificates")  # aenv's own: the node's egress CA (PEM)
+        if ca is not None:
+            if not isinstance(ca, str) or "BEGIN CERTIFICATE" not in ca:
+                raise InitError(400, "caCertificates must be PEM certificates")
+            try:
+                trusted = trust.install(ca)
+            except OSError as e:
+                raise InitError(500, f"installing caCertificates: {e}") from None
+            for k, v in trusted.items():
+                self.env_vars.setdefault(k, v)
         for key in ("defaultUser", "defaultWorkdir"):
             value = body.get(key)
             if value is not None and not isinstance(value, str):

@@ -25,10 +25,12 @@ Every decided connection becomes an `EgressEvent` (host, address, port,
 verdict, reason, bytes) handed to `on_event` (the node puts it in the
 sandbox's log) and counted in the proxy's `statistics()`.
 
-How a connection is carried once allowed is a `Relay`: pass-through today;
-a TLS-terminating relay that applies `network.rules` transforms (headers,
-secrets) plugs in as another `Relay` chosen per connection by `relay_for`,
-with the sniffed head bytes and the decision in hand.
+How a connection is carried once allowed is a `Relay`: `PassThrough` by
+default; for a host the sandbox's `network.rules` name, the `intercept` hook
+(`aenv.node.egresstls.interceptor`) returns an `Intercept` that injects the
+rules' headers (terminating TLS with the node's egress CA for HTTPS). Such a
+name must prove itself against the node's resolver even where the address
+alone would allow the connection.
 """
 
 from __future__ import annotations
@@ -353,8 +355,7 @@ def _nodelay(stream: trio.SocketStream) -> None:
 
 
 def relay_for(policy: EgressPolicy, decision: Decision, name: str | None) -> Relay:
-    """The relay for an allowed connection; every one passes through for now
-    (interception for `network.rules` hosts chooses another here)."""
+    """The relay for an allowed connection the `intercept` hook left alone: pass-through."""
     return PASS_THROUGH
 
 
@@ -374,6 +375,11 @@ def original_destination(stream: trio.SocketStream) -> tuple[str, int] | None:
     return str(ipaddress.IPv4Address(raw[4:8])), port
 
 
+# (slot, policy, allowed decision, name, proto) -> the relay that intercepts
+# the connection (a `network.rules` host), or None: pass through
+RelayChooser = Callable[[int, EgressPolicy, Decision, str | None, str], Relay | None]
+
+
 class EgressProxy:
     """Serves redirected connections on one listening socket for all slots."""
 
@@ -384,8 +390,10 @@ class EgressProxy:
         resolver: Resolver,
         on_event: Callable[[EgressEvent], None] = lambda _e: None,
         sniff_timeout_s: float = SNIFF_TIMEOUT_S,
+        intercept: RelayChooser | None = None,
     ) -> None:
         self.policies = policies
+        self.intercept = intercept
         self.resolver = resolver
         self.on_event = on_event
         self.sniff_timeout_s = sniff_timeout_s
@@ -456,6 +464,18 @@ class EgressProxy:
                 if not addresses:
                     why = f"{decision.verify} does not resolve on the node"
                 decision = Decision(False, why)
+        intercepted: Relay | None = None
+        if decision.allowed and self.intercept is not None:
+            intercepted = self.intercept(slot, policy, decision, name, proto)
+        # rules put secrets in the request: its name must prove itself (as
+        # allowOut names do) even where the address alone allowed it
+        if (
+            intercepted is not None
+            and name is not None
+            and decision.verify is None
+            and ip not in await self.resolver.addresses(name)
+        ):
+            decision = Decision(False, f"{ip} is not an address of {name} (rules)")
 
         def event(allowed: bool, reason: str, done: Transfer | None = None) -> EgressEvent:
             return EgressEvent(
@@ -484,11 +504,16 @@ class EgressProxy:
         self.active += 1
         try:
             upstream = None if early is None else await early.result()
-            relay = relay_for(policy, decision, name)
+            relay = intercepted or relay_for(policy, decision, name)
             if policy.proxy is not None:  # out through the sandbox's SOCKS5 proxy, never direct
                 # by name when a host rule allowed it (and the node verified it), else by address
                 tunnel = await open_tunnel(policy.proxy, decision.verify or ip, port, client=client)
                 upstream = tunnel.socket_stream
+                if upstream is None and intercepted is not None:
+                    # rules need the tunnel as a socket: never send without them
+                    with trio.CancelScope(shield=True):
+                        await tunnel.stream.aclose()
+                    raise OSError("rules cannot be applied through a TLS egress proxy")
                 relay = relay if upstream is not None else StreamCopy(tunnel.stream)
             await relay.run(client, head, (ip, port), done, upstream=upstream)
         except (OSError, trio.TooSlowError) as exc:
@@ -497,7 +522,9 @@ class EgressProxy:
             return
         finally:
             self.active -= 1
-        self._record(event(True, decision.reason, done))
+        self._record(
+            event(True, decision.reason + ("; rules applied" if intercepted else ""), done)
+        )
 
     async def _read_name(
         self, client: trio.SocketStream, wait_s: float | None = None

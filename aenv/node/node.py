@@ -75,7 +75,9 @@ from aenv.node.egress import (
     listener_port,
     open_egress_listener,
 )
+from aenv.node.egresstls import NodeCA, interceptor, upstream_context
 from aenv.node.host import Host, HttpEnvd, WritableRoots
+from aenv.node.identity import Issuer
 from aenv.node.pool import Pool
 from aenv.node.sandbox import Fork, LiveCapture, Resume, SandboxActor, Snapshot, policy_of
 from aenv.node.snapshots import (
@@ -88,6 +90,8 @@ from aenv.node.snapshots import (
 from aenv.node.warm import START_TIMEOUT_S, Warmer
 from aenv.proto import ids
 from aenv.proto import lifecycle as lc
+from aenv.proto.egressrules import Placeholder
+from aenv.proto.identity import TokenSpec
 from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy
@@ -100,7 +104,7 @@ from aenv.runtimes.netns import NetSlot, network_metrics, open_host_network
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import OverlayRoots
-from aenv.storage.secrets import SecretStore
+from aenv.storage.secrets import SecretNotFound, SecretStore
 from aenv.storage.templates import (
     Template,
     TemplateConflict,
@@ -212,6 +216,10 @@ class Node:
         self.snapshots = Snapshots(config.home / "snapshots", self.meta)
         # `/secrets`: write-only values, encrypted under the node's key
         self.secrets = SecretStore(config.secrets_dir / "values")
+        # the egress CA sandboxes with `network.rules` trust (set by `open_node`)
+        self.egress_ca_pem: str | None = None
+        # the OIDC issuer of sandboxes' workload tokens (set by `open_node`)
+        self.issuer: Issuer | None = None
         self.api_key = api_key
         self.limits = Limits(
             max_timeout_s=config.max_timeout_s,
@@ -307,6 +315,27 @@ class Node:
                 functools.partial(actor.mailbox.ask, kill, timeout=120),
                 f"stopping sandbox {actor.sandbox_id}",
             )
+
+    async def reveal_placeholder(self, slot: int, policy: EgressPolicy, p: Placeholder) -> str:
+        """A `network.rules` placeholder's value for the sandbox in `slot`, for
+        the egress proxy only: a secret's value, or a freshly minted workload token."""
+        if p.kind == "token":
+            spec = next((TokenSpec(*t) for t in policy.iam_tokens if t[0] == p.name), None)
+            owner = next((a for a in self._sandboxes.values() if a.slot_index == slot), None)
+            if spec is None or owner is None or self.issuer is None:
+                raise LookupError(f"workload token {p.name!r} is not in the sandbox's iam.tokens")
+            return await trio.to_thread.run_sync(
+                functools.partial(
+                    self.issuer.mint,
+                    spec,
+                    sandbox_id=owner.sandbox_id,
+                    template_id=owner.template.template_id,
+                )
+            )
+        try:
+            return await trio.to_thread.run_sync(self.secrets.reveal, p.name.lower())
+        except SecretNotFound:
+            raise LookupError(f"secret {p.name!r} not found") from None
 
     def egress_event(self, event: EgressEvent) -> None:
         """Put a connection the egress proxy decided in its sandbox's log."""
@@ -1101,8 +1130,18 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
             async def guard(_stop: StopToken) -> None:
                 await network.guard(every_s=config.network_check_s, on_lost=node.network_lost)
 
+            ca = await trio.to_thread.run_sync(NodeCA, config.home / "egress-ca")
+            node.egress_ca_pem = ca.cert_pem
+            node.issuer = await trio.to_thread.run_sync(
+                Issuer, config.home / "oidc", config.oidc_issuer or config.effective_advertise_url
+            )
             proxy = EgressProxy(
-                policies=network, resolver=Resolver(config.egress_dns), on_event=node.egress_event
+                policies=network,
+                resolver=Resolver(config.egress_dns),
+                on_event=node.egress_event,
+                intercept=interceptor(
+                    ca, upstream_context(config.egress_ca_file), node.reveal_placeholder
+                ),
             )
 
             async def egress(_stop: StopToken) -> None:

@@ -24,7 +24,7 @@ import shutil
 import ssl
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -247,6 +247,7 @@ class SandboxHost(Protocol):
     # processes killed by sandboxes' OOM killer (aenv_sandbox_oom_kills_total)
     m_oom_kills: Metric
     volumes: Volumes
+    egress_ca_pem: str | None  # the egress CA sandboxes with `network.rules` trust
 
     def forget(self, actor: SandboxActor, *, keep_files: bool = False) -> None:
         """Take the actor out of the node's table (its task is ending)."""
@@ -1101,6 +1102,9 @@ class SandboxActor:
             # member is initialised twice within a second when adopted at once)
             "timestamp": datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z"),
         }
+        if self.policy.rules and self.node.egress_ca_pem:
+            # the egress proxy intercepts the rules' hosts: trust its CA (aenv.envd.trust)
+            body["caCertificates"] = self.node.egress_ca_pem
         # after a resume envd already holds the token and wants it to re-init
         current = self._prior_token or self.envd_access_token
         await envd.init(client, address, body, token=current if resumed else None)
@@ -1162,10 +1166,12 @@ class SandboxActor:
                     self.lifecycle.step(lc.Kill(reason))
                     self._killers.append(req)  # answered once teardown is done
                 case SetNetwork(policy, allow_internet):
+                    # an update carries no `iam`: the sandbox keeps its workload tokens
+                    policy = replace(policy, iam_tokens=self.policy.iam_tokens)
                     if paused and not self.frozen_pause:
                         self.policy = policy  # applied to the next running period's slot
                     else:
-                        await self._set_network(policy)
+                        await self._set_network(policy, update=True)
                     self.allow_internet_access = allow_internet
                     if self._journaled is not None:
                         await self._journal(self._journaled)
@@ -1271,10 +1277,18 @@ class SandboxActor:
         await self._journal("running")
         self._log(f"adopted from the pool in {1000 * (time.perf_counter() - t0):.0f} ms")
 
-    async def _set_network(self, policy: EgressPolicy) -> None:
+    @property
+    def slot_index(self) -> int | None:
+        """The network slot the sandbox holds now (None: none open)."""
+        return None if self._slot is None else self._slot.index
+
+    async def _set_network(self, policy: EgressPolicy, *, update: bool = False) -> None:
         assert self._slot is not None
         await self.node.host.network.set_policy(self._slot, policy)
+        newly_intercepted = bool(policy.rules) and not self.policy.rules
         self.policy = policy
+        if newly_intercepted and update:
+            await self._init_envd(resumed=True)  # its clients now trust the egress CA
         self._log("network policy updated")
 
     # -- API used by the node/HTTP layer -------------------------------------

@@ -211,6 +211,12 @@ class EgressPolicy:
     # host-name rules: exact names and `*.suffix` wildcards, lowercase
     allow_hosts: tuple[str, ...] = ()
     deny_hosts: tuple[str, ...] = ()
+    # `network.rules` as `aenv.proto.egressrules.HostRules.rules`: (host pattern,
+    # headers) pairs; their hosts' connections are intercepted, never allowed by it
+    rules: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    # the sandbox's workload tokens (`iam`) as (name, audience, token type):
+    # what `${e2b.identity.tokens.NAME}` in its rules resolves to
+    iam_tokens: tuple[tuple[str, str, str], ...] = ()
     # resolvers opened when `allow_hosts` is not empty (None: the default, 8.8.8.8)
     dns_servers: tuple[str, ...] | None = None
     # The lists as the client spelled them, reported back by GET as E2B does.
@@ -231,7 +237,7 @@ class EgressPolicy:
     @property
     def has_hosts(self) -> bool:
         """Whether host-name rules exist: the sandbox's TCP goes through the egress proxy."""
-        return bool(self.allow_hosts or self.deny_hosts)
+        return bool(self.allow_hosts or self.deny_hosts or self.rules)
 
     @property
     def tunnels(self) -> bool:
@@ -260,6 +266,8 @@ class EgressPolicy:
             "allowHosts": list(self.allow_hosts),
             "denyHosts": list(self.deny_hosts),
             "dnsServers": None if self.dns_servers is None else list(self.dns_servers),
+            "rules": [[h, [[k, v] for k, v in hs]] for h, hs in self.rules],
+            "iamTokens": [list(t) for t in self.iam_tokens],
             "allowOutGiven": None if self.allow_out_given is None else list(self.allow_out_given),
             "denyOutGiven": None if self.deny_out_given is None else list(self.deny_out_given),
             "proxy": None if self.proxy is None else self.proxy.to_doc(),
@@ -277,6 +285,10 @@ class EgressPolicy:
             allow_hosts=tuple(p.get("allowHosts") or ()),
             deny_hosts=tuple(p.get("denyHosts") or ()),
             dns_servers=None if dns is None else tuple(dns),
+            rules=tuple(
+                (str(h), tuple((str(k), str(v)) for k, v in hs)) for h, hs in p.get("rules") or ()
+            ),
+            iam_tokens=tuple((str(n), str(a), str(t)) for n, a, t in p.get("iamTokens") or ()),
             allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
             deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
             proxy=None if p.get("proxy") is None else ProxyConfig.from_doc(p["proxy"]),
@@ -344,7 +356,9 @@ class EgressPolicy:
         if _in_any(addr, self.open_cidrs):
             return False
         by_address = self.allow_internet and not _in_any(addr, self.deny_out)
-        return bool(self.deny_hosts) if by_address else bool(self.allow_hosts)
+        if by_address:
+            return bool(self.deny_hosts or self.rules)
+        return bool(self.allow_hosts)
 
     def decide(self, ip: str, name: str | None) -> Decision:
         """The verdict on a TCP connection to `ip` that names host `name` (None:
@@ -389,6 +403,8 @@ class EgressPolicy:
             out["dnsServers"] = list(self.dns_servers)
         if self.proxy is not None:
             out["egressProxy"] = self.proxy.to_api()
+        if self.rules:
+            out["rules"] = {h: [{"transform": {"headers": dict(hs)}}] for h, hs in self.rules}
         return out
 
 

@@ -8,10 +8,13 @@ ignored, as E2B's API does, so newer SDKs keep working.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aenv.proto.egressrules import parse_rules
+from aenv.proto.identity import parse_iam
 from aenv.proto.ids import InvalidName, check_name
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy, PolicyError
@@ -122,9 +125,6 @@ def _auto_resume(raw: object) -> bool:
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if body.get("mcp") not in (None, {}):
         raise BadRequest("mcp is not supported by this node")
-    iam = body.get("iam")
-    if iam is not None and _obj(iam, "iam").get("tokens") not in (None, {}):
-        raise BadRequest("iam workload identity is not supported by this node")
 
 
 def _refuse_unsupported_network(net: Mapping[str, Any]) -> None:
@@ -132,13 +132,27 @@ def _refuse_unsupported_network(net: Mapping[str, Any]) -> None:
         raise BadRequest("network.maskRequestHost is not supported by this node")
     if net.get("httpsPorts") not in (None, []):
         raise BadRequest("network.httpsPorts is not supported by this node")
-    if net.get("rules") not in (None, {}):
-        raise BadRequest("network.rules (egress request transforms) are not supported by this node")
 
 
-def _policy(allow_internet: bool | None, net: Mapping[str, Any] | None) -> EgressPolicy:
+def _policy(
+    allow_internet: bool | None,
+    net: Mapping[str, Any] | None,
+    *,
+    iam: object = None,
+    update: bool = False,
+) -> EgressPolicy:
+    """The egress policy of a create body (`iam` its workload tokens) or, with
+    `update`, of a network update (which carries no `iam`: the sandbox keeps its own)."""
     try:
-        return EgressPolicy.from_request(allow_internet_access=allow_internet, network=net)
+        policy = EgressPolicy.from_request(allow_internet_access=allow_internet, network=net)
+        tokens = parse_iam(iam)
+        names = None if update else [t.name for t in tokens]
+        rules = parse_rules(None if net is None else net.get("rules"), iam_tokens=names)
+        return dataclasses.replace(
+            policy,
+            rules=rules.rules,
+            iam_tokens=tuple((t.name, t.audience, t.token_type) for t in tokens),
+        )
     except PolicyError as e:
         raise BadRequest(str(e)) from None
 
@@ -183,7 +197,7 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
         timeout_s=parse_timeout(b.get("timeout"), limits),
         metadata=_str_map(b.get("metadata"), "metadata", MAX_METADATA_ITEMS),
         env_vars=_str_map(b.get("envVars"), "envVars", MAX_ENV_ITEMS),
-        policy=_policy(allow_internet, net),
+        policy=_policy(allow_internet, net, iam=b.get("iam")),
         allow_internet_access=allow_internet,
         allow_public_traffic=allow_public,
         auto_pause=auto_pause,
@@ -214,7 +228,7 @@ def parse_network_update(body: object) -> tuple[EgressPolicy, bool | None]:
     b = _obj(body, "request body")
     _refuse_unsupported_network(b)
     allow_internet = _bool(b, "allow_internet_access")
-    return _policy(allow_internet, b), allow_internet
+    return _policy(allow_internet, b, update=True), allow_internet
 
 
 def parse_connect(body: object, limits: Limits) -> int:

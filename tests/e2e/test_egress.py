@@ -14,7 +14,9 @@ went.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
+import json
 import os
 import secrets
 import shutil
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from e2b import Sandbox, Secret, SecretException
 
 from tests.conftest import (
@@ -43,12 +47,15 @@ from tests.conftest import (
     stop_node,
 )
 from tests.egressnet import (
-    ADDRESSES,
     DNS_IP,
     HOST_END,
     NAMES,
     PREFIX,
     SUBNET,
+    UNCERTIFIED,
+    A,
+    B,
+    C,
     Internet,
     open_internet,
 )
@@ -56,7 +63,6 @@ from tests.egressnet import (
 pytestmark = [requires_node, pytest.mark.runsc]
 
 CA_IN_SANDBOX = "/tmp/test-ca.pem"
-A1, A2, A3 = ADDRESSES[:3]  # allowed.test (and *.cdn.test), other.test, no name
 NODE_ENV = {"AENV_EGRESS_CAP": SUBNET, "AENV_EGRESS_DNS": DNS_IP}
 # this file's nodes split the run's slot range: the module's node, the restarted one
 SLOTS = list(ipaddress.IPv4Network(SLOT_CIDR).subnets(prefixlen_diff=1))
@@ -80,7 +86,12 @@ def enode(internet: Internet) -> Iterator[NodeProc]:
             private,
             api_key="aenv_test_" + secrets.token_hex(8),
             log_path=private / "node.log",
-            extra_env={**NODE_ENV, "AENV_SLOT_CIDR": str(SLOTS[0])},
+            extra_env={
+                **NODE_ENV,
+                "AENV_SLOT_CIDR": str(SLOTS[0]),
+                # the internet's CA, for re-encrypting intercepted requests
+                "AENV_EGRESS_CA_FILE": str(internet.ca_pem),
+            },
         )
     except BaseException:
         shutil.rmtree(private, ignore_errors=True)
@@ -135,27 +146,27 @@ def test_only_named_hosts(enode: NodeProc, internet: Internet, tmp_path: Path) -
     s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
     try:
         out = fetch(s, "https://allowed.test/")
-        assert allowed(out, A1) and "sni=allowed.test" in out, out
-        assert allowed(fetch(s, "http://allowed.test/"), A1)
+        assert allowed(out, A) and "sni=allowed.test" in out, out
+        assert allowed(fetch(s, "http://allowed.test/"), A)
         # wildcards: any depth below the suffix, never the suffix itself
-        assert allowed(fetch(s, "https://api.cdn.test/"), A1)
-        assert allowed(fetch(s, "https://deep.api.cdn.test/"), A1)
+        assert allowed(fetch(s, "https://api.cdn.test/"), A)
+        assert allowed(fetch(s, "https://deep.api.cdn.test/"), A)
         assert fetch(s, "https://cdn.test/").startswith(("fail:", "curl:"))
         assert fetch(s, "https://other.test/").startswith(("fail:", "curl:"))
         # a raw IP no CIDR allows, over TLS without a name and over HTTP
-        assert "fail:" in fetch(s, f"http://{A3}/")
-        assert "fail:" in fetch(s, f"https://{A3}/")
+        assert "fail:" in fetch(s, f"http://{C}/")
+        assert "fail:" in fetch(s, f"https://{C}/")
         # an allowed name claimed to another address gets nowhere (SNI and Host)
-        assert "fail:" in fetch(s, "https://allowed.test/", to=A2)
-        assert "fail:" in fetch(s, f"http://{A2}/", header="Host: allowed.test")
+        assert "fail:" in fetch(s, "https://allowed.test/", to=B)
+        assert "fail:" in fetch(s, f"http://{B}/", header="Host: allowed.test")
         info = s.get_info().network or {}
         assert info.get("allow_out") == ONLY_THESE["allow_out"]
         log = egress_log(enode, s.sandbox_id)
         verdicts = {(e["host"], e["ip"], e["verdict"]) for e in log}
-        assert ("allowed.test", A1, "allowed") in verdicts
-        assert ("other.test", A2, "denied") in verdicts
-        assert ("allowed.test", A2, "denied") in verdicts
-        assert ("", A3, "denied") in verdicts
+        assert ("allowed.test", A, "allowed") in verdicts
+        assert ("other.test", B, "denied") in verdicts
+        assert ("allowed.test", B, "denied") in verdicts
+        assert ("", C, "denied") in verdicts
         assert any(int(e["bytesIn"]) > 0 for e in log if e["verdict"] == "allowed")
         metrics = httpx.get(f"{enode.url}/metrics", headers={"X-API-Key": enode.api_key}).text
         assert 'aenv_egress_connections_total{proto="tls",verdict="allowed"}' in metrics
@@ -178,8 +189,8 @@ def test_deny_by_name_with_the_internet_open(enode: NodeProc, internet: Internet
     s = prepare(Sandbox.create("base", network={"deny_out": ["other.test"]}), internet)
     try:
         assert "fail:" in fetch(s, "https://other.test/")
-        assert allowed(fetch(s, "https://allowed.test/"), A1)
-        assert allowed(fetch(s, f"http://{A3}/"), A3)  # addresses stay open
+        assert allowed(fetch(s, "https://allowed.test/"), A)
+        assert allowed(fetch(s, f"http://{C}/"), C)  # addresses stay open
     finally:
         s.kill()
 
@@ -187,7 +198,7 @@ def test_deny_by_name_with_the_internet_open(enode: NodeProc, internet: Internet
 def test_sandboxes_without_names_skip_the_proxy(enode: NodeProc, internet: Internet) -> None:
     s = prepare(Sandbox.create("base"), internet)
     try:
-        assert allowed(fetch(s, "https://allowed.test/", to=A2), A2)
+        assert allowed(fetch(s, "https://allowed.test/", to=B), B)
         assert egress_log(enode, s.sandbox_id) == []
     finally:
         s.kill()
@@ -202,7 +213,7 @@ def test_dns_servers(enode: NodeProc, internet: Internet) -> None:
             f"curl -sS -m 5 --cacert {CA_IN_SANDBOX} https://allowed.test/ 2>&1 || echo fail:$?",
             timeout=30,
         )
-        assert allowed(r.stdout.strip(), A1), r.stdout
+        assert allowed(r.stdout.strip(), A), r.stdout
         assert (s.get_info().network or {}).get("dns_servers") == [DNS_IP]
         s.update_network(ONLY_THESE)  # type: ignore[arg-type]
         r = s.commands.run("curl -sS -m 5 https://allowed.test/ 2>&1 || echo fail:$?", timeout=30)
@@ -217,19 +228,19 @@ def test_rules_change_at_runtime_and_survive_pause_and_fork(
     s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
     forks: list[Sandbox] = []
     try:
-        assert allowed(fetch(s, "https://allowed.test/"), A1)
+        assert allowed(fetch(s, "https://allowed.test/"), A)
         s.update_network({"allow_out": ["other.test"], "deny_out": ["0.0.0.0/0"]})
-        assert allowed(fetch(s, "https://other.test/"), A2)
+        assert allowed(fetch(s, "https://other.test/"), B)
         assert "fail:" in fetch(s, "https://allowed.test/")
         s.pause()
         s = Sandbox.connect(s.sandbox_id)
-        assert allowed(fetch(s, "https://other.test/"), A2)
+        assert allowed(fetch(s, "https://other.test/"), B)
         assert "fail:" in fetch(s, "https://allowed.test/")
         assert (s.get_info().network or {}).get("allow_out") == ["other.test"]
         (child,) = s.fork(count=1)
         assert isinstance(child, Sandbox), child
         forks.append(child)
-        assert allowed(fetch(child, "https://other.test/"), A2)
+        assert allowed(fetch(child, "https://other.test/"), B)
         assert "fail:" in fetch(child, "https://allowed.test/")
     finally:
         for f in forks:
@@ -278,12 +289,12 @@ def test_rules_survive_a_node_restart(internet: Internet, tmp_path: Path) -> Non
     try:
         with sdk_pointed_at(n.url, key):
             s = prepare(Sandbox.create("base", network=ONLY_THESE), internet)  # type: ignore[arg-type]
-            assert allowed(fetch(s, "https://allowed.test/"), A1)
+            assert allowed(fetch(s, "https://allowed.test/"), A)
         stop_node(n, signal.SIGKILL)
         n = start()
         with sdk_pointed_at(n.url, key):
             s = Sandbox.connect(s.sandbox_id)
-            assert allowed(fetch(s, "https://allowed.test/"), A1)
+            assert allowed(fetch(s, "https://allowed.test/"), A)
             assert "fail:" in fetch(s, "https://other.test/")
             assert (s.get_info().network or {}).get("allow_out") == ONLY_THESE["allow_out"]
             s.kill()
@@ -320,6 +331,137 @@ def test_secrets_through_the_sdk(enode: NodeProc) -> None:
         assert Secret.destroy(info.secret_id)
     assert not Secret.exists(info.secret_id)
     assert Secret.destroy(info.secret_id) is False
+
+
+def test_rules_inject_a_secret_the_sandbox_never_holds(enode: NodeProc, internet: Internet) -> None:
+    value = "sk-rule-" + secrets.token_hex(16)
+    key = Secret.create("egress-rule-key", value)
+    wrong = next(iter(UNCERTIFIED))
+    headers = {"X-Api-Key": Secret.fill("egress-rule-key"), "X-Static": "yes"}
+    network = {
+        "allow_out": ["allowed.test", "other.test", wrong],
+        "deny_out": ["0.0.0.0/0"],
+        "rules": {
+            "allowed.test": [{"transform": {"headers": headers}}],
+            wrong: [{"transform": {"headers": headers}}],
+        },
+    }
+    s = prepare(Sandbox.create("base", network=network), internet)  # type: ignore[arg-type]
+    try:
+        # names as the host's resolver gives them, for every client in the sandbox
+        hosts = "".join(f"{ips[0]} {n}\n" for n, ips in {**NAMES, **UNCERTIFIED}.items())
+        s.commands.run(f"printf '{hosts}' >> /etc/hosts", user="root")
+
+        def run(cmd: str) -> str:
+            return s.commands.run(cmd + " 2>&1 || echo fail:$?", timeout=60).stdout
+
+        # HTTPS through the system trust store (no --cacert): the server sees
+        # the secret (`/headers` echoes what it received, so only the test
+        # reads it), the sandbox's own X-Api-Key is replaced
+        out = run("curl -sS -m 5 -H 'X-Api-Key: mine' https://allowed.test/headers")
+        assert f"X-Api-Key: {value}" in out and "X-Static: yes" in out, out
+        assert "mine" not in out
+        # what the sandbox itself sent (a path that echoes nothing)
+        trace = "/tmp/curl-trace"
+        out = run(f"curl -sS -m 5 --trace-ascii {trace} -H 'X-Api-Key: mine' https://allowed.test/")
+        assert allowed(out, A), out
+        # plain HTTP gets the headers too; so do Python clients (SSL_CERT_FILE)
+        assert f"X-Api-Key: {value}" in run("curl -sS -m 5 http://allowed.test/headers")
+        py = run(
+            'python3 -c "import urllib.request as u;'
+            " print(u.urlopen('https://allowed.test/headers', timeout=5).read().decode())\""
+        )
+        assert f"X-Api-Key: {value}" in py, py
+        # a host without rules is not intercepted: its real certificate (test CA)
+        assert allowed(fetch(s, "https://other.test/"), B)
+        # ... while the rules' host presents the node's CA, which the test CA does not verify
+        assert "fail:" in fetch(s, "https://allowed.test/")
+        # a host whose certificate does not name it never gets the request
+        assert "fail:" in run(f"curl -sS -m 5 https://{wrong}/headers")
+        # the value is nowhere in the sandbox: env, its request bytes, its files
+        seen = run("env; cat /proc/[0-9]*/environ | tr '\\0' '\\n'; cat " + trace)
+        assert "X-Api-Key: mine" in seen and value not in seen
+        found = run(
+            "grep -rlsF --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev"
+            f" --exclude-dir=opt -e {value} / | head -5"
+        )
+        assert found.strip() in ("", "fail:1"), found
+        info = s.get_info().network or {}
+        assert info.get("rules", {}).get("allowed.test") == [{"transform": {"headers": headers}}]
+        log = egress_log(enode, s.sandbox_id)
+        assert any(e["host"] == wrong and "upstream TLS" in e["reason"] for e in log), log
+        assert any(e["host"] == "allowed.test" and "rules applied" in e["reason"] for e in log)
+        # kept across pause and resume
+        s.pause()
+        s = Sandbox.connect(s.sandbox_id)
+        assert f"X-Api-Key: {value}" in run("curl -sS -m 5 https://allowed.test/headers")
+    finally:
+        s.kill()
+        Secret.destroy(key.secret_id)
+
+
+def test_iam_token_verified_against_the_jwks(enode: NodeProc, internet: Internet) -> None:
+    iam = {"tokens": {"aws": Secret.iam_token(audience="sts.test", token_type="JWT-SVID")}}
+    rules = {
+        "allowed.test": [
+            {
+                "transform": lambda ctx: {
+                    "headers": {"Authorization": f"Bearer {ctx.iam.tokens['aws']}"}
+                }
+            }
+        ]
+    }
+    s = Sandbox.create("base", network={**ONLY_THESE, "rules": rules}, iam=iam)  # type: ignore[arg-type,typeddict-item]
+    try:
+        s.commands.run(f"printf '{A} allowed.test\\n' >> /etc/hosts", user="root")
+        tokens = []
+        for _ in range(2):
+            r = s.commands.run("curl -sS -m 5 https://allowed.test/headers 2>&1 || echo fail:$?")
+            line = next((x for x in r.stdout.splitlines() if x.startswith("Authorization:")), "")
+            assert line.startswith("Authorization: Bearer ey"), r.stdout
+            tokens.append(line.split()[-1].strip())
+        assert tokens[0] != tokens[1]  # minted per request
+        head, body, sig = tokens[0].split(".")
+        conf = httpx.get(f"{enode.url}/.well-known/openid-configuration").json()  # no API key
+        assert conf["issuer"] == enode.url.rstrip("/")
+        jwks = httpx.get(conf["jwks_uri"]).json()
+        header = json.loads(_unb64(head))
+        (jwk,) = [k for k in jwks["keys"] if k["kid"] == header["kid"]]
+        pub = rsa.RSAPublicNumbers(
+            int.from_bytes(_unb64(jwk["e"]), "big"), int.from_bytes(_unb64(jwk["n"]), "big")
+        ).public_key()
+        pub.verify(_unb64(sig), f"{head}.{body}".encode(), padding.PKCS1v15(), hashes.SHA256())
+        claims = json.loads(_unb64(body))
+        assert claims["iss"] == conf["issuer"] and claims["aud"] == "sts.test"
+        assert claims["sandbox_id"] == s.sandbox_id and claims["sub"].endswith(s.sandbox_id)
+        assert 0 < claims["exp"] - time.time() <= 300
+        # the token never sat in the sandbox: a fresh one per request, minted outside
+        seen = s.commands.run("env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'").stdout
+        assert tokens[0] not in seen
+    finally:
+        s.kill()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.urlsafe_b64decode(s + "=" * (-len(s) % 4))
+
+
+def test_rules_added_at_runtime(enode: NodeProc, internet: Internet) -> None:
+    s = Sandbox.create("base", network=ONLY_THESE)  # type: ignore[arg-type]
+    try:
+        s.commands.run(f"printf '{A} allowed.test\\n' >> /etc/hosts", user="root")
+        url = "https://allowed.test/headers"
+        # the node's CA is not trusted (nor needed) before rules exist
+        assert s.commands.run("test -e /usr/local/share/aenv/egress-ca.pem || echo none").stdout
+        rules = {"allowed.test": [{"transform": {"headers": {"X-Added": "later"}}}]}
+        s.update_network({**ONLY_THESE, "rules": rules})  # type: ignore[typeddict-unknown-key]
+        r = s.commands.run(f"curl -sS -m 5 {url} 2>&1 || echo fail:$?", timeout=30)
+        assert "X-Added: later" in r.stdout, r.stdout
+        s.update_network(ONLY_THESE)  # type: ignore[arg-type]
+        r = s.commands.run(f"curl -sS -m 5 {url} 2>&1 || echo fail:$?", timeout=30)
+        assert "fail:" in r.stdout  # passed through again: the test CA is not in the store
+    finally:
+        s.kill()
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")

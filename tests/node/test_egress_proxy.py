@@ -1,9 +1,8 @@
 """The egress proxy on the host's real path, without runsc: nftables redirect, SNI/Host, resolver.
 
 Rules: needs root, `ip`, `nft` and curl. The internet is `tests.egressnet`
-(netns `{AENV_TEST_EGRESS_PREFIX}p`); the slots are a `HostNetwork` with prefix
-`aenvcp` in 10.232.202.0/24 (or from `AENV_TEST_NET_PREFIX` and
-`AENV_TEST_SLOT_CIDR` when set) whose table carries the proxy's port; the proxy runs in the
+(netns `aenvcip` by default); the slots are a `HostNetwork` with prefix `aenvcp` in (by default)
+10.232.202.0/24 whose table carries the proxy's port; the proxy runs in the
 test's trio loop and asks the internet's resolver. The "sandbox" is curl in
 a slot's namespace (the kernel's netstack; gVisor's sits behind the same
 rules), giving up after 5 s. A refused connection is reset at once.
@@ -11,7 +10,6 @@ rules), giving up after 5 s. A refused connection is reset at once.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -30,7 +28,6 @@ from aenv.node.egress import (
 )
 from aenv.proto.netpolicy import EgressPolicy
 from aenv.runtimes.netns import HostNetwork, NetSlot, open_host_network
-from tests.conftest import NET_PREFIX, SLOT_CIDR
 from tests.egressnet import DNS_IP, NAMES, PREFIX, SUBNET, Internet, open_internet
 
 pytestmark = [
@@ -42,15 +39,9 @@ pytestmark = [
 ]
 
 ALLOWED, OTHER = NAMES["allowed.test"][0], NAMES["other.test"][0]
-# the default run keeps its historical names; a run with its own prefix and
-# range (AENV_TEST_NET_PREFIX, AENV_TEST_SLOT_CIDR) takes a /24 of the range
-_OWN = "AENV_TEST_NET_PREFIX" in os.environ
-SLOT_PREFIX = NET_PREFIX + "p" if _OWN else "aenvcp"
-SLOTS = (
-    str(list(ipaddress.IPv4Network(SLOT_CIDR).subnets(new_prefix=24))[-2])
-    if _OWN
-    else "10.232.202.0/24"
-)
+# this file's host network: its own names and range (a concurrent run sets others)
+NS_PREFIX = PREFIX.removesuffix("i") + "p"
+SLOTS = os.environ.get("AENV_TEST_EGRESS_SLOTS", "10.232.202.0/24")
 
 
 def policy(**network: object) -> EgressPolicy:
@@ -71,8 +62,8 @@ async def proxied(
         await open_egress_listener() as listener,
         open_host_network(
             cidr=SLOTS,
-            prefix=SLOT_PREFIX,
-            table=SLOT_PREFIX,
+            prefix=NS_PREFIX,
+            table=NS_PREFIX,
             max_slots=4,
             egress_cap=[SUBNET],
             proxy_port=listener_port(listener),
