@@ -42,6 +42,13 @@ from tests.tlscerts import TestCA
 
 PREFIX = os.environ.get("AENV_TEST_EGRESS_PREFIX", "aenvci")
 SUBNET = os.environ.get("AENV_TEST_EGRESS_SUBNET", "203.0.113.160/28")
+# sandbox addresses of the egress tests' own nodes (never the session node's
+# range: both run at once), split in four: two per test module
+NODE_RANGES = list(
+    ipaddress.IPv4Network(os.environ.get("AENV_TEST_EGRESS_NODE_SLOTS", "10.226.0.0/16")).subnets(
+        prefixlen_diff=2
+    )
+)
 _NET = ipaddress.IPv4Network(SUBNET)
 
 

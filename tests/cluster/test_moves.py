@@ -289,6 +289,13 @@ def test_a_partitioned_owner_keeps_its_sandboxes_until_fenced(lab: Lab) -> None:
         lab.heal()
         # node2 learns it was fenced, drops its copy of the moved one, takes the running back
         wait_for("node2 alive", lambda: members(lab.node(0)).get("node2") == "alive", 60)
+        # ... and node2 sees the others alive again (until then it answers 503: their
+        # sandboxes are on nodes it takes for dead)
+        wait_for(
+            "node2 to see all alive",
+            lambda: set(members(lab.node(2)).values()) == {"alive"},
+            60,
+        )
         again = Sandbox.connect(parked.sandbox_id, timeout=600, **lab.node(2).sdk())
         assert counting(again)[0] == pid
         assert owner(lab.node(0), parked.sandbox_id) == moved["node"]

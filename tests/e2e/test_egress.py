@@ -15,7 +15,6 @@ went.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import json
 import os
 import secrets
@@ -36,7 +35,6 @@ from e2b import Sandbox, Secret, SecretException
 
 from tests.conftest import (
     NET_PREFIX,
-    SLOT_CIDR,
     NodeProc,
     built_home,
     leaks,
@@ -50,6 +48,7 @@ from tests.egressnet import (
     DNS_IP,
     HOST_END,
     NAMES,
+    NODE_RANGES,
     PREFIX,
     SUBNET,
     UNCERTIFIED,
@@ -65,7 +64,7 @@ pytestmark = [requires_node, pytest.mark.runsc]
 CA_IN_SANDBOX = "/tmp/test-ca.pem"
 NODE_ENV = {"AENV_EGRESS_CAP": SUBNET, "AENV_EGRESS_DNS": DNS_IP}
 # this file's nodes split the run's slot range: the module's node, the restarted one
-SLOTS = list(ipaddress.IPv4Network(SLOT_CIDR).subnets(prefixlen_diff=1))
+SLOTS = NODE_RANGES[:2]
 ONLY_THESE = {"allow_out": ["allowed.test", "*.cdn.test"], "deny_out": ["0.0.0.0/0"]}
 
 
@@ -89,6 +88,7 @@ def enode(internet: Internet) -> Iterator[NodeProc]:
             extra_env={
                 **NODE_ENV,
                 "AENV_SLOT_CIDR": str(SLOTS[0]),
+                "AENV_NET_PREFIX": NET_PREFIX + "e",
                 # the internet's CA, for re-encrypting intercepted requests
                 "AENV_EGRESS_CA_FILE": str(internet.ca_pem),
             },

@@ -12,7 +12,6 @@ third quarter of the run's slot range, the restarted node the fourth.
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 import shutil
 import signal
@@ -25,7 +24,6 @@ from e2b import Sandbox
 
 from tests.conftest import (
     NET_PREFIX,
-    SLOT_CIDR,
     NodeProc,
     built_home,
     leaks,
@@ -39,6 +37,7 @@ from tests.egressnet import (
     DNS_IP,
     HOST_END,
     NAMES,
+    NODE_RANGES,
     PREFIX,
     PROXY_IP,
     SUBNET,
@@ -53,7 +52,7 @@ CA_IN_SANDBOX = "/tmp/test-ca.pem"
 OTHER = NAMES["other.test"][0]
 PROXY = {"address": f"{PROXY_IP}:1080", "username": "u", "password": "pw"}
 # a quarter of the run's slot range that test_egress.py's nodes do not use
-SLOTS = list(ipaddress.IPv4Network(SLOT_CIDR).subnets(prefixlen_diff=2))[2]
+SLOTS = NODE_RANGES[2]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +74,12 @@ def snode(internet: Internet) -> Iterator[NodeProc]:
     assert home is not None
     private = Path(tempfile.mkdtemp(prefix="aenv-socks-node-"))
     link_home(home, private)
-    env = {"AENV_EGRESS_CAP": SUBNET, "AENV_EGRESS_DNS": DNS_IP, "AENV_SLOT_CIDR": str(SLOTS)}
+    env = {
+        "AENV_EGRESS_CAP": SUBNET,
+        "AENV_EGRESS_DNS": DNS_IP,
+        "AENV_SLOT_CIDR": str(SLOTS),
+        "AENV_NET_PREFIX": NET_PREFIX + "k",
+    }
     try:
         n = start_node(
             private,
@@ -178,7 +182,7 @@ def test_kept_across_a_node_restart(internet: Internet, socks: Path, tmp_path: P
     env = {
         "AENV_EGRESS_CAP": SUBNET,
         "AENV_EGRESS_DNS": DNS_IP,
-        "AENV_SLOT_CIDR": str(list(ipaddress.IPv4Network(SLOT_CIDR).subnets(prefixlen_diff=2))[3]),
+        "AENV_SLOT_CIDR": str(NODE_RANGES[3]),
         "AENV_NET_PREFIX": prefix,
         "AENV_ON_STOP": "keep",  # a crashed node's sandboxes run on
     }

@@ -140,9 +140,11 @@ async def test_sandbox_writes_to_overlay_serves_http_and_leaves_nothing(
             assert upper_file.read_text() == f"hello from sbx-{spec.sandbox_id}"
             assert not (busybox_lower / "root" / "www").exists()
 
-            # Limits are set on the host cgroup of the sandbox.
+            # Limits are set on the host cgroup of the sandbox: its memory plus
+            # the headroom the in-sandbox OOM killer acts in (the guest sees 300 MiB)
             limit = CGROUP_ROOT / "memory" / CGROUP_PARENT / spec.sandbox_id
-            assert int((limit / "memory.limit_in_bytes").read_text()) == 300 * 1024 * 1024
+            assert int((limit / "memory.limit_in_bytes").read_text()) == rt.host_memory_bytes(300)
+            assert rt.host_memory_bytes(300) == (300 + 256) * 1024 * 1024
             cpu = CGROUP_ROOT / "cpu" / CGROUP_PARENT / spec.sandbox_id
             quota = int((cpu / "cpu.cfs_quota_us").read_text())
             assert quota == int((cpu / "cpu.cfs_period_us").read_text())
@@ -255,7 +257,8 @@ def test_oci_config_shape(tmp_path: Path) -> None:
     bundle_mount = next(m for m in cfg["mounts"] if m["destination"] == BUNDLE_MOUNT)
     assert bundle_mount["source"] == str(tmp_path / "bundle")
     assert "ro" in bundle_mount["options"]
-    assert cfg["linux"]["resources"]["cpu"] == {"quota": 200_000, "period": 100_000}
+    # two CPUs' quota, and shares in proportion (1024 a CPU) against busy neighbours
+    assert cfg["linux"]["resources"]["cpu"] == {"quota": 200_000, "period": 100_000, "shares": 2048}
     assert cfg["linux"]["resources"]["memory"] == {"limit": 512 << 20}
     assert {"type": "network", "path": "/var/run/netns/x"} in cfg["linux"]["namespaces"]
 
