@@ -101,7 +101,7 @@ def enode(internet: Internet) -> Iterator[NodeProc]:
             yield n
     finally:
         code = stop_node(n)
-        left = leaks(private)
+        left = leaks(private, NET_PREFIX + "e")
         assert code == 0, f"node exited with {code}:\n{n.log_tail()}"
         assert not left, f"node left behind: {left}"
         shutil.rmtree(private, ignore_errors=True)

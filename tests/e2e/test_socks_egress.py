@@ -95,7 +95,7 @@ def snode(internet: Internet) -> Iterator[NodeProc]:
             yield n
     finally:
         code = stop_node(n)
-        left = leaks(private)
+        left = leaks(private, NET_PREFIX + "k")
         assert code == 0, f"node exited with {code}:\n{n.log_tail()}"
         assert not left, f"node left behind: {left}"
         shutil.rmtree(private, ignore_errors=True)
