@@ -833,32 +833,25 @@ def _remove(root: Path, rel: str) -> None:
         raise pv.VolumeRequestError("the volume's root cannot be removed")
     with _parent(root, rel) as (fd, name):
         try:
-            s = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            _remove_entry(fd, name)
         except FileNotFoundError:
             raise VolumePathNotFound(f"path /{rel} not found") from None
-        if stat.S_ISDIR(s.st_mode):
-            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            try:
-                _empty_dir(sub)
-            finally:
-                os.close(sub)
-            os.rmdir(name, dir_fd=fd)
-        else:
-            os.unlink(name, dir_fd=fd)
 
 
-def _empty_dir(fd: int) -> None:
-    for name in os.listdir(fd):
-        s = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        if stat.S_ISDIR(s.st_mode):
-            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            try:
-                _empty_dir(sub)
-            finally:
-                os.close(sub)
-            os.rmdir(name, dir_fd=fd)
-        else:
-            os.unlink(name, dir_fd=fd)
+def _remove_entry(fd: int, name: str) -> None:
+    """Remove `name` in directory `fd`, a directory with all it holds (never
+    following a link)."""
+    s = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    if stat.S_ISDIR(s.st_mode):
+        sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        try:
+            for child in os.listdir(sub):
+                _remove_entry(sub, child)
+        finally:
+            os.close(sub)
+        os.rmdir(name, dir_fd=fd)
+    else:
+        os.unlink(name, dir_fd=fd)
 
 
 def _update(root: Path, rel: str, owner: Owner) -> dict[str, Any]:
