@@ -67,6 +67,12 @@ def members(node: LabNode) -> dict[str, str]:
         return {m["nodeID"]: m["state"] for m in api.get("/cluster/members").json()}
 
 
+def all_alive(node: LabNode) -> bool:
+    """`node` sees every node of the lab alive (itself included)."""
+    seen = members(node)
+    return len(seen) == 3 and set(seen.values()) == {"alive"}
+
+
 def owner(node: LabNode, sid: str) -> str:
     with node.client() as api:
         r = api.get(f"/sandboxes/{sid}")
@@ -213,6 +219,7 @@ def test_a_paused_sandbox_resumes_on_another_node_when_its_own_has_no_room(lab: 
         finally:
             del lab.node(0).env["AENV_HIBERNATE_MEMORY_LOW"]
             lab.restart_node(0, sig=signal.SIGTERM)
+            wait_for("node0 to see all alive", lambda: all_alive(lab.node(0)), 60)
 
 
 def test_drain_moves_running_sandboxes_with_their_processes(lab: Lab) -> None:
@@ -224,6 +231,7 @@ def test_drain_moves_running_sandboxes_with_their_processes(lab: Lab) -> None:
         other.files.write("/tmp/kept.txt", "kept across the drain")
         other.commands.run("sleep 3600 >/dev/null 2>&1 &", timeout=30)
         # the CLI, pointed at node 0, which sends the drain on to node 1
+        wait_for("node0 to see all alive", lambda: all_alive(lab.node(0)), 60)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
         env.update({"AENV_URL": lab.node(0).url, "AENV_API_KEY": lab.api_key})
         done = subprocess.run(
@@ -293,7 +301,7 @@ def test_a_partitioned_owner_keeps_its_sandboxes_until_fenced(lab: Lab) -> None:
         # sandboxes are on nodes it takes for dead)
         wait_for(
             "node2 to see all alive",
-            lambda: set(members(lab.node(2)).values()) == {"alive"},
+            lambda: all_alive(lab.node(2)),
             60,
         )
         again = Sandbox.connect(parked.sandbox_id, timeout=600, **lab.node(2).sdk())
