@@ -579,47 +579,54 @@ class Moves:
         that node (the caller sends the resume there). None: resume it here (it
         is running, in memory, not here, or no other node has room either)."""
         lock = self._room_locks.setdefault(sid, trio.Lock())
-        async with lock:
-            try:
-                actor = self.node.get(sid)
-            except SandboxNotFound:
-                return self._made_room.get(sid)  # moved by a call just before this one
-            if (
-                self.draining
-                or sid in self._moving
-                or actor.state is not lc.State.PAUSED
-                or not actor.on_disk
-                or actor.frozen_pause
-                or actor.volume_mounts  # its volumes are here (a drain moves them along)
-            ):
-                return None
-            available, total = read_meminfo()
-            low_pct = self.node.config.hibernate_memory_low_pct
-            if placement.room_to_resume(available, total, low_pct, actor.memory_mb):
-                return None
-            target = self._roomiest(actor.memory_mb)
-            if target is None:
-                log.warning(
-                    "no room to resume sandbox %s here (%d MiB available) nor on another node",
-                    sid,
-                    available >> 20,
-                )
-                return None
-            log.info(
-                "no room to resume sandbox %s here (%d MiB available): moving it to %s",
+        try:
+            async with lock:
+                return await self._make_room(sid)
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._room_locks.pop(sid, None)  # (one lock per resume in flight, no more)
+
+    async def _make_room(self, sid: str) -> Member | None:
+        try:
+            actor = self.node.get(sid)
+        except SandboxNotFound:
+            return self._made_room.get(sid)  # moved by a call just before this one
+        if (
+            self.draining
+            or sid in self._moving
+            or actor.state is not lc.State.PAUSED
+            or not actor.on_disk
+            or actor.frozen_pause
+            or actor.volume_mounts  # its volumes are here (a drain moves them along)
+        ):
+            return None
+        available, total = read_meminfo()
+        low_pct = self.node.config.hibernate_memory_low_pct
+        if placement.room_to_resume(available, total, low_pct, actor.memory_mb):
+            return None
+        target = self._roomiest(actor.memory_mb)
+        if target is None:
+            log.warning(
+                "no room to resume sandbox %s here (%d MiB available) nor on another node",
                 sid,
                 available >> 20,
-                target.id,
             )
-            try:
-                await self._move(actor, target)
-            except Exception as exc:
-                log.error("moving sandbox %s to %s to make room failed: %r", sid, target.id, exc)
-                return None
-            self._made_room[sid] = target
-            while len(self._made_room) > MADE_ROOM_KEPT:
-                del self._made_room[next(iter(self._made_room))]
-            return target
+            return None
+        log.info(
+            "no room to resume sandbox %s here (%d MiB available): moving it to %s",
+            sid,
+            available >> 20,
+            target.id,
+        )
+        try:
+            await self._move(actor, target)
+        except Exception as exc:
+            log.error("moving sandbox %s to %s to make room failed: %r", sid, target.id, exc)
+            return None
+        self._made_room[sid] = target
+        while len(self._made_room) > MADE_ROOM_KEPT:
+            del self._made_room[next(iter(self._made_room))]
+        return target
 
     def _roomiest(self, memory_mb: int) -> Member | None:
         """The other node best placed to resume a sandbox of `memory_mb`."""
