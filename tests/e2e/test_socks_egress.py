@@ -7,7 +7,7 @@ internet's range and checks names against its resolver. A server answers
 `from <its address> ... peer=<client address>`: through the proxy the peer is
 `PROXY_IP`, direct it is the node's `HOST_END`. curl in the sandbox pins
 names with `--resolve` and gives up after 5 s. The module's node takes the
-third quarter of the run's slot range, the restarted node the fourth.
+third quarter of the egress tests' node range, the restarted node the fourth.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ pytestmark = [requires_node, pytest.mark.runsc]
 CA_IN_SANDBOX = "/tmp/test-ca.pem"
 OTHER = NAMES["other.test"][0]
 PROXY = {"address": f"{PROXY_IP}:1080", "username": "u", "password": "pw"}
-# a quarter of the run's slot range that test_egress.py's nodes do not use
+# the quarter of the egress tests' node range that test_egress.py's nodes do not use
 SLOTS = NODE_RANGES[2]
 
 
