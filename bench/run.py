@@ -2,7 +2,8 @@
 
 One run starts three nodes (`python -m aenv serve`) one after the other, each
 on a free loopback port with a private home (bundle and templates linked),
-the netns prefix `aenvk` and slot range 10.227.0.0/16, and times through the
+the netns prefix `aenvk` and slot range 10.227.0.0/16 (overridable, see
+NET_PREFIX below), and times through the
 real `e2b` Python SDK: `Sandbox.create(template)` alone and until a first
 `commands.run("true")` returns, on a node that boots every sandbox
 (`AENV_WARM_TEMPLATES=0 AENV_POOL_SIZE=0`), on one that restores the
@@ -69,17 +70,22 @@ from aenv.storage.bundle import envd_command  # noqa: E402
 from tests.conftest import NodeProc, leaks, link_home, start_node, stop_node  # noqa: E402
 
 # The nodes' netns prefix, slot range and tag (unique on this machine: other
-# benchmarks and test suites use other prefixes and 10.229-10.239).
-NET_PREFIX = "aenvk"
-SLOT_CIDR = "10.227.0.0/16"
+# benchmarks and test suites use other prefixes and 10.229-10.239). Two runs
+# at once on one machine each need their own: AENV_BENCH_NET_PREFIX (5
+# characters, not the start of another prefix in use), AENV_BENCH_SLOT_CIDR
+# (a /16 for the nodes' slots) and AENV_BENCH_FLOOR_NET (the first two octets
+# of a /16 for the floor's own links).
+NET_PREFIX = os.environ.get("AENV_BENCH_NET_PREFIX", "aenvk")
+SLOT_CIDR = os.environ.get("AENV_BENCH_SLOT_CIDR", "10.227.0.0/16")
+_FLOOR_NET = os.environ.get("AENV_BENCH_FLOOR_NET", "10.228")
 NODE_TAG = "bnch"
 # The floor's own netns and veth (outside the node's naming and slot range).
-FLOOR_NETNS = "aenvbfloor"
-FLOOR_VETH = "aenvbfh"
-FLOOR_HOST_IP = "10.235.0.1"
-FLOOR_GUEST_IP = "10.235.0.2"
-# One more netns per floor fork child (i = 1..FORK_MAX): aenvkf<i>, veth
-# aenvkfh<i>, 10.228.0.<4i+1>/30 on the host side.
+FLOOR_NETNS = f"{NET_PREFIX}floor"
+FLOOR_VETH = f"{NET_PREFIX}fh"
+FLOOR_HOST_IP = f"{_FLOOR_NET}.1.1"
+FLOOR_GUEST_IP = f"{_FLOOR_NET}.1.2"
+# One more netns per floor fork child (i = 1..FORK_MAX): <prefix>f<i>, veth
+# <prefix>fh<i>, <floor net>.0.<4i+1>/30 on the host side.
 FORK_MAX = 4
 FLOOR_CGROUP = "aenvbench"
 PAYLOAD = 1 << 20
@@ -554,7 +560,12 @@ class FloorNet:
 
 MAIN_NET = FloorNet(FLOOR_NETNS, FLOOR_VETH, FLOOR_HOST_IP, FLOOR_GUEST_IP)
 FORK_NETS = tuple(
-    FloorNet(f"aenvkf{i}", f"aenvkfh{i}", f"10.228.0.{4 * i + 1}", f"10.228.0.{4 * i + 2}")
+    FloorNet(
+        f"{NET_PREFIX}f{i}",
+        f"{NET_PREFIX}fh{i}",
+        f"{_FLOOR_NET}.0.{4 * i + 1}",
+        f"{_FLOOR_NET}.0.{4 * i + 2}",
+    )
     for i in range(1, FORK_MAX + 1)
 )
 
