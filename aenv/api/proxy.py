@@ -6,13 +6,18 @@ port on the sandbox's network slot: HTTP with streaming bodies both ways
 (Connect streams, SSE, large file transfers never buffered whole), and
 WebSocket. Everything else falls through to the wrapped app. envd checks its
 own access token; other ports of a sandbox created with
-`allowPublicTraffic: false` need `e2b-traffic-access-token`.
+`allowPublicTraffic: false` need `e2b-traffic-access-token`. A sandbox's
+`network.maskRequestHost` becomes the Host header of its HTTP requests, and
+its `network.httpsPorts` are reached over TLS, unverified (`aenv.proto.ingress`).
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import ssl
+
+import httpx
 
 from aenv.kit.asgiforward import (
     CONNECTION_HEADERS,
@@ -27,10 +32,20 @@ from aenv.kit.asgiforward import (
 )
 from aenv.kit.metrics import Metric
 from aenv.node import service as sv
+from aenv.proto.ingress import request_host
 from aenv.proto.routing import Route, RoutingError, route
 from aenv.runtimes.base import ENVD_PORT
 
 log = logging.getLogger("aenv.proxy")
+
+
+def _unverified_tls() -> ssl.SSLContext:
+    """TLS to a sandbox port listed in `httpsPorts`: E2B documents that the
+    backend certificate is not verified (a service's self-signed one works)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 # Not forwarded into a sandbox: the connection's own headers and the routing ones.
@@ -57,6 +72,15 @@ class SandboxProxy:
         self.service = service
         self.domain = domain
         self.proxied = proxied
+        self._tls = _unverified_tls()
+        # One client for every sandbox's `httpsPorts`, without keep-alive: the
+        # per-sandbox clients are closed when a sandbox stops running, this one
+        # outlives them, so it never keeps a connection to a sandbox address.
+        self._https = ForwardingClient(
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=0),
+            timeout=httpx.Timeout(30.0),
+            verify=self._tls,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -84,10 +108,10 @@ class SandboxProxy:
             return
         if scope["type"] == "http":
             self.proxied.inc(kind="envd" if target.port == ENVD_PORT else "http")
-            await self._http(scope, receive, send, found.address, found.http, headers)
+            await self._http(scope, receive, send, found, headers)
         else:
             self.proxied.inc(kind="websocket")
-            await self._websocket(scope, receive, send, found.address)
+            await self._websocket(scope, receive, send, found)
 
     async def _upstream(
         self, target: Route, headers: dict[str, str]
@@ -111,24 +135,34 @@ class SandboxProxy:
         scope: Scope,
         receive: Receive,
         send: Send,
-        upstream: str,
-        client: ForwardingClient,
+        ep: sv.Endpoint,
         headers: dict[str, str],
     ) -> None:
         fwd = [(k, v) for k, v in headers.items() if k not in HOP_BY_HOP]
         if "host" in headers:
             fwd.append(("x-forwarded-host", headers["host"]))
+        masked = request_host(ep.mask_request_host, ep.port)
+        if masked is not None:
+            fwd.append(("host", masked))
+        https = ep.port in ep.https_ports
         await forward_http(
             scope,
             receive,
             send,
-            base=f"http://{upstream}",
-            client=client,
+            base=f"{'https' if https else 'http'}://{ep.address}",
+            client=self._https if https else ep.http,
             headers=fwd,
             drop_response=HOP_BY_HOP,
             what="sandbox port",
         )
 
-    async def _websocket(self, scope: Scope, receive: Receive, send: Send, upstream: str) -> None:
-        host, port = upstream.rsplit(":", 1)
-        await forward_websocket(scope, receive, send, host=host, port=int(port), what=upstream)
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, ep: sv.Endpoint) -> None:
+        await forward_websocket(
+            scope,
+            receive,
+            send,
+            host=ep.host,
+            port=ep.port,
+            what=ep.address,
+            ssl_context=self._tls if ep.port in ep.https_ports else None,
+        )

@@ -77,6 +77,11 @@ def sandbox_detail(a: SandboxInfo, domain: str | None) -> dict[str, Any]:
     )
     if a.state == "paused":
         d["pauseMode"] = a.pause_mode
+    if a.policy.iam_tokens:
+        # E2B's `SandboxIam`: token definitions only (a minted token is never stored)
+        d["iam"] = {
+            "tokens": {n: {"audience": aud, "tokenType": t} for n, aud, t in a.policy.iam_tokens}
+        }
     return d
 
 

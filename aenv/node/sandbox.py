@@ -1166,8 +1166,13 @@ class SandboxActor:
                     self.lifecycle.step(lc.Kill(reason))
                     self._killers.append(req)  # answered once teardown is done
                 case SetNetwork(policy, allow_internet):
-                    # an update carries no `iam`: the sandbox keeps its workload tokens
-                    policy = replace(policy, iam_tokens=self.policy.iam_tokens)
+                    # an update carries no `iam` nor ingress settings: the sandbox keeps its own
+                    policy = replace(
+                        policy,
+                        iam_tokens=self.policy.iam_tokens,
+                        mask_request_host=self.policy.mask_request_host,
+                        https_ports=self.policy.https_ports,
+                    )
                     if paused and not self.frozen_pause:
                         self.policy = policy  # applied to the next running period's slot
                     else:

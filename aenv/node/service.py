@@ -294,6 +294,9 @@ class Endpoint:
     envd_access_token: str
     allow_public_traffic: bool
     traffic_access_token: str
+    # `network.maskRequestHost` and `network.httpsPorts` (see `aenv.proto.ingress`)
+    mask_request_host: str | None = None
+    https_ports: tuple[int, ...] = ()
 
     @property
     def address(self) -> str:
@@ -542,6 +545,8 @@ class LocalSandboxService:
             envd_access_token=actor.envd_access_token,
             allow_public_traffic=actor.allow_public_traffic,
             traffic_access_token=actor.traffic_access_token,
+            mask_request_host=actor.policy.mask_request_host,
+            https_ports=actor.policy.https_ports,
         )
 
     async def _wake(self, sandbox_id: str) -> None:

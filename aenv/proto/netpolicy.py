@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from aenv.proto.ingress import IngressError, parse_https_ports, parse_mask
 from aenv.proto.socks5 import ProxyConfig, ProxyConfigError
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -224,6 +225,11 @@ class EgressPolicy:
     deny_out_given: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
     # `egressProxy`: the SOCKS5 proxy the sandbox's filtered TCP leaves through
     proxy: ProxyConfig | None = None
+    # Ingress settings kept with the network config (journaled, forked, moved with
+    # it; see `aenv.proto.ingress`): the Host header requests into the sandbox
+    # carry, and the sandbox ports the node's proxy reaches over TLS.
+    mask_request_host: str | None = None
+    https_ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Direct construction gets the same normalisation as from_request.
@@ -271,6 +277,8 @@ class EgressPolicy:
             "allowOutGiven": None if self.allow_out_given is None else list(self.allow_out_given),
             "denyOutGiven": None if self.deny_out_given is None else list(self.deny_out_given),
             "proxy": None if self.proxy is None else self.proxy.to_doc(),
+            "maskRequestHost": self.mask_request_host,
+            "httpsPorts": list(self.https_ports),
         }
 
     @classmethod
@@ -292,6 +300,8 @@ class EgressPolicy:
             allow_out_given=None if p["allowOutGiven"] is None else tuple(p["allowOutGiven"]),
             deny_out_given=None if p["denyOutGiven"] is None else tuple(p["denyOutGiven"]),
             proxy=None if p.get("proxy") is None else ProxyConfig.from_doc(p["proxy"]),
+            mask_request_host=p.get("maskRequestHost"),
+            https_ports=tuple(int(x) for x in p.get("httpsPorts") or ()),
         )
 
     @classmethod
@@ -304,8 +314,8 @@ class EgressPolicy:
         """Validate a create/update body's egress fields (E2B wire names).
 
         `allow_internet_access` None means "not given" (the internet is
-        allowed). Only `allowOut`, `denyOut`, `dnsServers` and `egressProxy`
-        are read from `network`; the API layer vets its other keys.
+        allowed). Only `allowOut`, `denyOut`, `dnsServers`, `egressProxy`,
+        `maskRequestHost` and `httpsPorts` are read from `network`; the API layer vets its other keys.
         """
         if allow_internet_access is not None and not isinstance(allow_internet_access, bool):
             raise PolicyError("allow_internet_access must be a boolean")
@@ -315,6 +325,11 @@ class EgressPolicy:
             raise PolicyError("network must be an object")
         allow = _parse_list(network.get("allowOut"), what="allowOut")
         deny = _parse_list(network.get("denyOut"), what="denyOut")
+        try:
+            mask = parse_mask(network.get("maskRequestHost"))
+            https_ports = parse_https_ports(network.get("httpsPorts"))
+        except IngressError as e:
+            raise PolicyError(str(e)) from None
         return cls(
             allow_internet=allow_internet_access is not False,
             allow_out=allow.cidrs,
@@ -325,6 +340,8 @@ class EgressPolicy:
             allow_out_given=allow.given if network.get("allowOut") is not None else None,
             deny_out_given=deny.given if network.get("denyOut") is not None else None,
             proxy=_parse_proxy(network.get("egressProxy")),
+            mask_request_host=mask,
+            https_ports=https_ports,
         )
 
     def allows(self, ip: str, *, blocked: Iterable[str] = ()) -> bool:
@@ -405,6 +422,10 @@ class EgressPolicy:
             out["egressProxy"] = self.proxy.to_api()
         if self.rules:
             out["rules"] = {h: [{"transform": {"headers": dict(hs)}}] for h, hs in self.rules}
+        if self.mask_request_host is not None:
+            out["maskRequestHost"] = self.mask_request_host
+        if self.https_ports:
+            out["httpsPorts"] = list(self.https_ports)
         return out
 
 

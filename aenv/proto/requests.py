@@ -127,11 +127,12 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise BadRequest("mcp is not supported by this node")
 
 
-def _refuse_unsupported_network(net: Mapping[str, Any]) -> None:
-    if net.get("maskRequestHost") is not None:
-        raise BadRequest("network.maskRequestHost is not supported by this node")
-    if net.get("httpsPorts") not in (None, []):
-        raise BadRequest("network.httpsPorts is not supported by this node")
+def _refuse_ingress_update(net: Mapping[str, Any]) -> None:
+    """A network update carries no ingress settings (E2B's update body has none):
+    the sandbox keeps those it was created with, so trying to change them is refused."""
+    for key in ("maskRequestHost", "httpsPorts"):
+        if net.get(key) is not None:
+            raise BadRequest(f"network.{key} is set when the sandbox is created, not updated")
 
 
 def _policy(
@@ -186,7 +187,6 @@ def parse_new_sandbox(body: object, limits: Limits) -> NewSandbox:
     net = None if net_raw is None else _obj(net_raw, "network")
     allow_public = True
     if net is not None:
-        _refuse_unsupported_network(net)
         v = net.get("allowPublicTraffic")
         if v is not None:
             if not isinstance(v, bool):
@@ -226,7 +226,7 @@ def parse_refresh(body: object, limits: Limits) -> int:
 def parse_network_update(body: object) -> tuple[EgressPolicy, bool | None]:
     """PUT /sandboxes/{id}/network: omitted fields clear (E2B semantics)."""
     b = _obj(body, "request body")
-    _refuse_unsupported_network(b)
+    _refuse_ingress_update(b)
     allow_internet = _bool(b, "allow_internet_access")
     return _policy(allow_internet, b, update=True), allow_internet
 

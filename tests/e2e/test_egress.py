@@ -435,6 +435,13 @@ def test_iam_token_verified_against_the_jwks(enode: NodeProc, internet: Internet
         assert claims["iss"] == conf["issuer"] and claims["aud"] == "sts.test"
         assert claims["sandbox_id"] == s.sandbox_id and claims["sub"].endswith(s.sandbox_id)
         assert 0 < claims["exp"] - time.time() <= 300
+        # GET reports the token definitions as E2B's SandboxIam (a minted token never)
+        detail = httpx.get(
+            f"{enode.url}/sandboxes/{s.sandbox_id}", headers={"X-API-Key": enode.api_key}
+        ).json()
+        assert detail["iam"] == {
+            "tokens": {"aws": {"audience": "sts.test", "tokenType": "JWT-SVID"}}
+        }
         # the token never sat in the sandbox: a fresh one per request, minted outside
         seen = s.commands.run("env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'").stdout
         assert tokens[0] not in seen

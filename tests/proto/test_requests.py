@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from aenv.proto import ingress
 from aenv.proto import requests as rq
 
 L = rq.Limits(max_timeout_s=3600, default_timeout_s=300)
@@ -36,6 +37,20 @@ def test_sdk_shaped_create() -> None:
     assert not r.policy.allow_internet and r.allow_public_traffic is False
 
 
+def test_ingress_settings_kept_and_reported() -> None:
+    net = {"maskRequestHost": "${PORT}-app.example.com", "httpsPorts": [8443, 3000, 8443]}
+    r = rq.parse_new_sandbox({"templateID": "base", "network": net}, L)
+    p = r.policy
+    assert p.mask_request_host == "${PORT}-app.example.com" and p.https_ports == (3000, 8443)
+    assert type(p).from_doc(p.to_doc()) == p
+    assert p.to_api()["maskRequestHost"] == "${PORT}-app.example.com"
+    assert p.to_api()["httpsPorts"] == [3000, 8443]
+    assert ingress.request_host(p.mask_request_host, 3000) == "3000-app.example.com"
+    assert ingress.request_host(None, 3000) is None
+    with pytest.raises(rq.BadRequest, match="not updated"):
+        rq.parse_network_update({"maskRequestHost": "x"})
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
@@ -47,7 +62,11 @@ def test_sdk_shaped_create() -> None:
         ({"templateID": "b", "autoPause": 1}, "autoPause must be a boolean"),
         ({"templateID": "b", "autoResume": {"enabled": True}}, "autoResume"),
         ({"templateID": "b", "mcp": {"x": {}}}, "mcp"),
-        ({"templateID": "b", "network": {"httpsPorts": [443]}}, "httpsPorts"),
+        ({"templateID": "b", "network": {"httpsPorts": [49983]}}, "httpsPorts"),
+        ({"templateID": "b", "network": {"httpsPorts": [0]}}, "httpsPorts"),
+        ({"templateID": "b", "network": {"httpsPorts": "443"}}, "httpsPorts"),
+        ({"templateID": "b", "network": {"maskRequestHost": "a b"}}, "maskRequestHost"),
+        ({"templateID": "b", "network": {"maskRequestHost": "x\r\nEvil: 1"}}, "maskRequest"),
         ({"templateID": "b", "metadata": {"k": 1}}, "metadata"),
     ],
 )
