@@ -50,6 +50,7 @@ from tests.egressnet import (
     NAMES,
     NODE_RANGES,
     PREFIX,
+    PROXY_IP,
     SUBNET,
     UNCERTIFIED,
     A,
@@ -58,6 +59,7 @@ from tests.egressnet import (
     Internet,
     open_internet,
 )
+from tests.socksserver import open_socks
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -472,7 +474,7 @@ def test_rules_added_at_runtime(enode: NodeProc, internet: Internet) -> None:
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
-def test_npm_sdk(enode: NodeProc, internet: Internet) -> None:
+def test_npm_sdk(enode: NodeProc, internet: Internet, tmp_path: Path) -> None:
     js = Path(__file__).resolve().parent.parent / "js"
     if not (js / "node_modules" / "e2b").is_dir():
         pytest.skip("npm e2b not installed (make test installs it)")
@@ -484,13 +486,20 @@ def test_npm_sdk(enode: NodeProc, internet: Internet) -> None:
         EGRESS_CA=internet.ca_pem.read_text(),
         EGRESS_ALLOWED_IP=NAMES["allowed.test"][0],
         EGRESS_OTHER_IP=NAMES["other.test"][0],
+        EGRESS_PROXY=f"{PROXY_IP}:1080",
     )
-    r = subprocess.run(
-        ["node", "--test", "egress.test.mjs"],
-        cwd=js,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    with open_socks(
+        internet.netns, PROXY_IP, tmp_path / "socks.log", names=NAMES, user="u", password="pw"
+    ):
+        r = subprocess.run(
+            ["node", "--test", "--test-concurrency=1", "egress.test.mjs"],
+            cwd=js,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=480,
+        )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "# pass 4" in r.stdout, r.stdout[-3000:]  # none skipped
+    # the SOCKS test's one allowed connection went through the proxy, with credentials
+    assert "CONNECT other.test 443 user=u ok" in (tmp_path / "socks.log").read_text()
