@@ -80,6 +80,9 @@ class Config:
     # The OIDC issuer URL of sandboxes' workload tokens (AENV_OIDC_ISSUER; relying
     # parties fetch `{issuer}/.well-known/jwks.json`); None: the advertised URL.
     oidc_issuer: str | None = None
+    # How often the OIDC signing key is replaced (AENV_OIDC_ROTATE_S, seconds;
+    # see `aenv.node.identity`).
+    oidc_rotate_s: float = 7 * 24 * 3600.0
     # The egress proxy's port on the host (AENV_EGRESS_PORT); 0: one the kernel picks.
     egress_port: int = 0
     default_timeout_s: int = 300
@@ -305,6 +308,11 @@ class Config:
             kw["egress_dns"] = tuple(_csv(env["AENV_EGRESS_DNS"]))
         if env.get("AENV_OIDC_ISSUER"):
             kw["oidc_issuer"] = env["AENV_OIDC_ISSUER"].rstrip("/")
+        if env.get("AENV_OIDC_ROTATE_S"):
+            rotate = float(env["AENV_OIDC_ROTATE_S"])
+            if not rotate >= 1:
+                raise ValueError(f"AENV_OIDC_ROTATE_S must be at least 1 second, not {rotate:g}")
+            kw["oidc_rotate_s"] = rotate
         if env.get("AENV_EGRESS_CA_FILE"):
             kw["egress_ca_file"] = Path(env["AENV_EGRESS_CA_FILE"])
         if env.get("AENV_EGRESS_PORT"):

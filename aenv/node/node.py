@@ -77,7 +77,7 @@ from aenv.node.egress import (
 )
 from aenv.node.egresstls import NodeCA, interceptor, upstream_context
 from aenv.node.host import Host, HttpEnvd, WritableRoots
-from aenv.node.identity import Issuer
+from aenv.node.identity import Issuer, keep_keys, open_issuer
 from aenv.node.pool import Pool
 from aenv.node.sandbox import Fork, LiveCapture, Resume, SandboxActor, Snapshot, policy_of
 from aenv.node.snapshots import (
@@ -1132,9 +1132,7 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
 
             ca = await trio.to_thread.run_sync(NodeCA, config.home / "egress-ca")
             node.egress_ca_pem = ca.cert_pem
-            node.issuer = await trio.to_thread.run_sync(
-                Issuer, config.home / "oidc", config.oidc_issuer or config.effective_advertise_url
-            )
+            node.issuer = await trio.to_thread.run_sync(open_issuer, config, node.durable.store)
             proxy = EgressProxy(
                 policies=network,
                 resolver=Resolver(config.egress_dns),
@@ -1154,6 +1152,12 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
             )
             node.services.start_soon(
                 "egress-proxy", egress, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
+            )
+            node.services.start_soon(
+                "oidc-keys",
+                functools.partial(keep_keys, node.issuer),
+                policy=WATCHER_RESTARTS,
+                give_up=Strategy.FAIL,
             )
             yield node
 
