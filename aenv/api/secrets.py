@@ -3,9 +3,9 @@
 Values are write-only: `POST /secrets` and `POST /secrets/{id}` accept one,
 no answer ever carries it, and it is never logged (request bodies are not
 logged by the node; errors name the field, never echo its value). A secret
-is addressed by its ID (`sec_...`) or its name. The store is the node's own
-(`aenv.storage.secrets`, encrypted under the node's key); blocking store
-calls run in a worker thread.
+is addressed by its ID (`sec_...`) or its name. The store is the node's own,
+or in a cluster with a store the cluster's (`aenv.storage.secrets`); blocking
+store calls run in a worker thread.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from aenv.api.common import (
     no_content,
     read_body,
 )
+from aenv.storage.objstore import StoreError
 from aenv.storage.secrets import SecretError, SecretExists, SecretInfo, SecretNotFound
+from aenv.storage.shareddoc import Contended
 
 bp = Blueprint("secrets", __name__)
 T = TypeVar("T")
@@ -52,6 +54,9 @@ async def _call(fn: Callable[..., T], *args: Any) -> T:
         raise ApiError(400, str(e)) from None
     except SecretNotFound:
         raise ApiError(404, "secret not found") from None
+    except (Contended, StoreError) as e:
+        # a cluster's secrets live in its store: retryable
+        raise ApiError(503, f"the secrets store is unavailable: {type(e).__name__}") from None
 
 
 async def _body() -> dict[str, Any]:

@@ -1133,6 +1133,9 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
             ca = await trio.to_thread.run_sync(NodeCA, config.home / "egress-ca")
             node.egress_ca_pem = ca.cert_pem
             node.issuer = await trio.to_thread.run_sync(open_issuer, config, node.durable.store)
+            if node.durable.store is not None and config.cluster_secret:
+                # the cluster's secrets, shared by every node through the store
+                node.secrets = SecretStore.shared(node.durable.store, config.cluster_secret)
             proxy = EgressProxy(
                 policies=network,
                 resolver=Resolver(config.egress_dns),

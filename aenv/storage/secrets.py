@@ -1,25 +1,29 @@
-"""The node's secrets (`/secrets`): write-only values, encrypted at rest.
+"""The secrets (`/secrets`): write-only values, encrypted at rest.
 
 E2B's `Secret` API stores named values that sandboxes never see: the egress
 proxy resolves `${e2b.secrets.NAME}` placeholders in the headers of requests
-leaving a sandbox (`network.rules`, not wired yet). This store is what the
-API writes and, later, what the proxy reads:
+leaving a sandbox (`network.rules`). This store is what the API writes and
+what the proxy reads:
 
 - a value is accepted by `create` and `update` and never returned by any
   method the API uses; `reveal` is for the egress proxy only;
-- values are encrypted with AES-256-GCM under the node's key
-  (`{dir}/key`, 32 random bytes, mode 0600, made on first use); each
-  version has its own nonce, and the secret's ID and version are the
-  associated data, so a ciphertext moved to another secret or version does
-  not decrypt;
-- the records (`{dir}/secrets.json`: ID, canonical name, versions,
-  metadata, times, ciphertexts) are replaced atomically on every change
-  (`aenv.kit.files.write_atomic`), mode 0600.
+- values are encrypted with AES-256-GCM, each version with its own nonce,
+  the secret's ID and version as associated data (a ciphertext moved to
+  another secret or version does not decrypt);
+- the records (ID, canonical name, versions, metadata, times, ciphertexts)
+  are one `aenv.storage.shareddoc` document, changed with conditional
+  writes. On a node of its own: `{dir}/secrets.json` (mode 0600) and the
+  node's key `{dir}/key` (32 random bytes, 0600, made on first use). In a
+  cluster with a store (`SecretStore.shared`): the store's
+  `secrets/secrets.json`, under a key derived from the cluster secret, so
+  every node's API and egress proxy see the same secrets (the proxy may use
+  what it read up to `SHARED_REVEAL_TTL_S` earlier).
 
 Names are lowercased; they cannot be empty, contain `{`, `}` or control
 characters (they are interpolated into placeholders) or start with `sec_`
 (IDs do). Metadata follows E2B's bounds (32 entries, keys 128 bytes, values
-1024 bytes, 8192 bytes in all). Blocking: call it from a worker thread.
+1024 bytes, 8192 bytes in all). Blocking: call it from a worker thread (in a
+cluster, one the trio loop started: the store is reached through it).
 """
 
 from __future__ import annotations
@@ -31,14 +35,15 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from aenv.kit.files import write_atomic
+from aenv.storage.objstore import ObjectStore
+from aenv.storage.shareddoc import FileDoc, SharedDoc, StoreDoc, sealing_key, update_json
 
 MAX_NAME: Final = 256
 MAX_VALUE: Final = 64 * 1024
@@ -50,6 +55,9 @@ MAX_META_VALUE: Final = 1024
 MAX_META_TOTAL: Final = 8192
 _BAD_NAME: Final = re.compile(r"[{}\x00-\x1f\x7f-\x9f]")
 _ID_ALPHABET: Final = "abcdefghijklmnopqrstuvwxyz0123456789"
+STORE_KEY: Final = "secrets/secrets.json"
+# how long the egress proxy may use a cluster's secrets before reading them again
+SHARED_REVEAL_TTL_S: Final = 2.0
 
 
 class SecretError(ValueError):
@@ -145,15 +153,37 @@ def check_metadata(raw: object) -> dict[str, str]:
 
 
 class SecretStore:
-    """The secrets of one node, in `directory` (see the module docstring)."""
+    """The secrets in `doc` (see the module docstring): by default this node's
+    files in `directory`; `SecretStore.shared` keeps them in a cluster's store."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        doc: SharedDoc | None = None,
+        key: bytes | None = None,
+        reveal_ttl_s: float = 0.0,
+    ) -> None:
         self.dir = directory
+        self._doc = doc if doc is not None else FileDoc(directory / "secrets.json")
+        self._aead: AESGCM | None = None if key is None else AESGCM(key)
         self._lock = threading.Lock()
-        self._records: dict[str, _Record] | None = None
-        self._aead: AESGCM | None = None
+        self._reveal_ttl_s = reveal_ttl_s
+        self._cached: tuple[float, dict[str, _Record]] | None = None
 
-    # -- files --------------------------------------------------------------
+    @classmethod
+    def shared(cls, store: ObjectStore, cluster_secret: str) -> SecretStore:
+        """The cluster's secrets: one document in `store`, values sealed under a key
+        derived from the cluster secret. The egress proxy's reads may lag another
+        node's change by `SHARED_REVEAL_TTL_S`."""
+        return cls(
+            Path("/nonexistent"),
+            doc=StoreDoc(store, STORE_KEY),
+            key=sealing_key(cluster_secret, "secrets"),
+            reveal_ttl_s=SHARED_REVEAL_TTL_S,
+        )
+
+    # -- the document -------------------------------------------------------------
 
     def _key(self) -> AESGCM:
         if self._aead is None:
@@ -173,21 +203,28 @@ class SecretStore:
             self._aead = AESGCM(key)
         return self._aead
 
-    def _load(self) -> dict[str, _Record]:
-        if self._records is None:
-            try:
-                doc = json.loads((self.dir / "secrets.json").read_text())
-            except FileNotFoundError:
-                doc = {"secrets": []}
-            self._records = {d["secret_id"]: _Record(**d) for d in doc["secrets"]}
-        return self._records
+    @staticmethod
+    def _records(doc: Mapping[str, Any] | None) -> dict[str, _Record]:
+        secrets_ = [] if doc is None else doc["secrets"]
+        return {d["secret_id"]: _Record(**d) for d in secrets_}
 
-    def _save(self, records: dict[str, _Record]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        doc = {"secrets": [r.__dict__ for r in records.values()]}
-        path = self.dir / "secrets.json"
-        write_atomic(path, json.dumps(doc).encode())
-        os.chmod(path, 0o600)
+    def _load(self) -> dict[str, _Record]:
+        data, _ = self._doc.load()
+        records = self._records(None if data is None else json.loads(data))
+        self._cached = (time.monotonic(), records)
+        return records
+
+    def _change(self, mutate: Callable[[dict[str, _Record]], dict[str, _Record]]) -> None:
+        """Apply `mutate` to the records as they are in the document, conditionally
+        (again on a conflict: another node's change); it may raise to refuse."""
+
+        def change(current: dict[str, Any] | None) -> dict[str, Any]:
+            records = mutate(self._records(current))
+            return {"secrets": [r.__dict__ for r in records.values()]}
+
+        with self._lock:
+            update_json(self._doc, change)
+            self._cached = None
 
     def _seal(self, secret_id: str, version: int, value: str) -> str:
         nonce = secrets.token_bytes(12)
@@ -209,30 +246,31 @@ class SecretStore:
         self, name: object, value: object, metadata: object = None, *, now: float | None = None
     ) -> SecretInfo:
         canon, text, meta = canonical_name(name), check_value(value), check_metadata(metadata)
-        with self._lock:
-            records = dict(self._load())
+        sid = "sec_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+        t = time.time() if now is None else now
+        rec = _Record(
+            secret_id=sid, name=canon, version=1, metadata=meta, created_at=t, updated_at=t
+        )
+        rec.sealed["1"] = self._seal(sid, 1, text)
+
+        def add(records: dict[str, _Record]) -> dict[str, _Record]:
             if any(r.name == canon for r in records.values()):
                 raise SecretExists(f"a secret named {canon!r} exists already")
             if len(records) >= MAX_SECRETS:
                 raise SecretError(f"at most {MAX_SECRETS} secrets")
-            sid = "sec_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
-            t = time.time() if now is None else now
-            rec = _Record(
-                secret_id=sid, name=canon, version=1, metadata=meta, created_at=t, updated_at=t
-            )
-            rec.sealed["1"] = self._seal(sid, 1, text)
-            records[sid] = rec
-            self._save(records)
-            self._records = records
-            return rec.info()
+            return {**records, sid: rec}
+
+        self._change(add)
+        return rec.info()
 
     def update(
         self, ref: str, value: object, metadata: object = None, *, now: float | None = None
     ) -> SecretInfo:
         text = check_value(value)
         meta = None if metadata is None else check_metadata(metadata)
-        with self._lock:
-            records = dict(self._load())
+        done: list[_Record] = []
+
+        def bump(records: dict[str, _Record]) -> dict[str, _Record]:
             old = self._find(records, ref)
             rec = _Record(**{**old.__dict__, "sealed": dict(old.sealed)})
             rec.version += 1
@@ -242,45 +280,60 @@ class SecretStore:
             if meta is not None:
                 rec.metadata = meta
             rec.updated_at = time.time() if now is None else now
-            records[rec.secret_id] = rec
-            self._save(records)
-            self._records = records
-            return rec.info()
+            done[:] = [rec]
+            return {**records, rec.secret_id: rec}
+
+        self._change(bump)
+        return done[0].info()
 
     def get(self, ref: str) -> SecretInfo:
-        with self._lock:
-            return self._find(self._load(), ref).info()
+        return self._find(self._load(), ref).info()
 
     def list(self) -> list[SecretInfo]:
         """Every secret, oldest first (the API pages over it)."""
-        with self._lock:
-            recs = sorted(self._load().values(), key=lambda r: (r.created_at, r.secret_id))
-            return [r.info() for r in recs]
+        recs = sorted(self._load().values(), key=lambda r: (r.created_at, r.secret_id))
+        return [r.info() for r in recs]
 
     def delete(self, ref: str) -> bool:
         """Remove the secret and every version of its value; False if there is none."""
-        with self._lock:
-            records = dict(self._load())
+        found: list[bool] = []
+
+        def remove(records: dict[str, _Record]) -> dict[str, _Record]:
             try:
                 rec = self._find(records, ref)
             except SecretNotFound:
-                return False
-            del records[rec.secret_id]
-            self._save(records)
-            self._records = records
-            return True
+                found[:] = [False]
+                return records
+            found[:] = [True]
+            return {k: v for k, v in records.items() if k != rec.secret_id}
+
+        if not self._find_quietly(ref):
+            return False
+        self._change(remove)
+        return found[0]
+
+    def _find_quietly(self, ref: str) -> bool:
+        try:
+            self._find(self._load(), ref)
+        except SecretNotFound:
+            return False
+        return True
 
     # -- the egress proxy's only read ------------------------------------------
 
     def reveal(self, ref: str, version: int | None = None) -> str:
         """The value of `ref` (its current version unless `version`): for the
         egress proxy to put in a request leaving a sandbox, never for the API."""
-        with self._lock:
-            rec = self._find(self._load(), ref)
-            v = rec.version if version is None else version
-            sealed = rec.sealed.get(str(v))
-            if sealed is None:
-                raise SecretNotFound(f"{ref} version {v}")
-            raw = base64.b64decode(sealed)
-            aad = f"{rec.secret_id}:{v}".encode()
-            return self._key().decrypt(raw[:12], raw[12:], aad).decode()
+        cached = self._cached
+        if cached is not None and time.monotonic() - cached[0] < self._reveal_ttl_s:
+            records = cached[1]
+        else:
+            records = self._load()
+        rec = self._find(records, ref)
+        v = rec.version if version is None else version
+        sealed = rec.sealed.get(str(v))
+        if sealed is None:
+            raise SecretNotFound(f"{ref} version {v}")
+        raw = base64.b64decode(sealed)
+        aad = f"{rec.secret_id}:{v}".encode()
+        return self._key().decrypt(raw[:12], raw[12:], aad).decode()

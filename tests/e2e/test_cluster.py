@@ -58,6 +58,36 @@ def test_nodes_find_each_other_from_one_peer(cluster: Cluster) -> None:
     assert {m["nodeID"]: m["state"] for m in json.loads(out)} == everyone
 
 
+def test_secrets_and_oidc_keys_are_the_clusters(cluster: Cluster) -> None:
+    """A secret created through one node is listed (never its value) by the
+    others; every node names one issuer and serves one JWKS (one key ring in
+    the store, so a token minted anywhere verifies against any node's JWKS)."""
+    value = "sk-cluster-" + os.urandom(8).hex()
+    a, b, c = (cluster.nodes[n].url for n in ("node-a", "node-b", "node-c"))
+    headers = {"X-API-Key": KEY}
+    r = httpx.post(f"{a}/secrets", json={"name": "shared-key", "value": value}, headers=headers)
+    assert r.status_code == 201, r.text
+    sid = r.json()["secretID"]
+    try:
+        for url in (b, c):
+            listed = httpx.get(f"{url}/secrets", headers=headers)
+            assert [s["secretID"] for s in listed.json() if s["name"] == "shared-key"] == [sid]
+            assert value not in listed.text
+        issuers = {
+            httpx.get(f"{u}/.well-known/openid-configuration").json()["issuer"] for u in (a, b, c)
+        }
+        assert issuers == {a.rstrip("/")}
+        jwks = [httpx.get(f"{u}/.well-known/jwks.json").json() for u in (a, b, c)]
+        assert jwks[0] == jwks[1] == jwks[2] and jwks[0]["keys"]
+        stored = b"".join(
+            p.read_bytes() for p in (cluster.root / "store").rglob("*") if p.is_file()
+        )
+        assert value.encode() not in stored and b"PRIVATE KEY" not in stored
+    finally:
+        assert httpx.delete(f"{b}/secrets/{sid}", headers=headers).status_code == 204
+    assert httpx.get(f"{c}/secrets/{sid}", headers=headers).status_code == 404
+
+
 def test_a_node_without_the_secret_gets_no_membership(cluster: Cluster) -> None:
     everyone = {"node-a": "alive", "node-b": "alive", "node-c": "alive"}
     cluster.wait_members(everyone)

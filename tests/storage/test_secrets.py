@@ -1,7 +1,8 @@
 """The node's secret store: write-only values, encrypted at rest, versioned.
 
-Rules: a store in a temporary directory; a test reads the files it wrote to
-check what an attacker with the disk (and not the key) would see.
+Rules: a store in a temporary directory (a cluster's: a `file://` object
+store); a test reads the files it wrote to check what an attacker with the
+disk (and not the key) would see.
 """
 
 from __future__ import annotations
@@ -11,9 +12,17 @@ import stat
 from pathlib import Path
 
 import pytest
+import trio
 from cryptography.exceptions import InvalidTag
 
-from aenv.storage.secrets import SecretError, SecretExists, SecretNotFound, SecretStore
+from aenv.storage.objstore import open_object_store
+from aenv.storage.secrets import (
+    STORE_KEY,
+    SecretError,
+    SecretExists,
+    SecretNotFound,
+    SecretStore,
+)
 
 VALUE = "sk-live-" + "7" * 40
 
@@ -74,3 +83,35 @@ def test_a_ciphertext_moved_to_another_secret_does_not_decrypt(tmp_path: Path) -
 def test_refused(tmp_path: Path, name: str, value: object, metadata: object) -> None:
     with pytest.raises(SecretError):
         SecretStore(tmp_path).create(name, value, metadata)
+
+
+async def test_a_cluster_shares_its_secrets_through_the_store(tmp_path: Path) -> None:
+    """Two nodes' stores on one `file://` object store (its conditional writes):
+    what one creates, the other reveals; the store holds no value in clear; a
+    node with another cluster secret cannot decrypt."""
+    objects = open_object_store((tmp_path / "store").as_uri())
+    a = SecretStore.shared(objects, "cluster-secret")
+    b = SecretStore.shared(objects, "cluster-secret")
+
+    def run() -> None:
+        info = a.create("Api-Key", "v1-secret-value")
+        assert b.reveal("api-key") == "v1-secret-value"
+        b.update(info.secret_id, "v2-secret-value")
+        assert a.reveal(info.secret_id) == "v2-secret-value"
+        assert [s.name for s in b.list()] == ["api-key"]
+        with pytest.raises(SecretExists):
+            b.create("api-key", "again")
+        with pytest.raises(InvalidTag):
+            SecretStore.shared(objects, "another-secret").reveal("api-key")
+
+    await trio.to_thread.run_sync(run)
+    # both nodes create at once: every create lands (conditional writes, retried)
+    async with trio.open_nursery() as nursery:
+        for i, s in enumerate((a, b, a, b)):
+            nursery.start_soon(trio.to_thread.run_sync, s.create, f"n{i}", f"value-{i}")
+    names = await trio.to_thread.run_sync(lambda: sorted(s.name for s in b.list()))
+    assert names == ["api-key", "n0", "n1", "n2", "n3"]
+    assert await trio.to_thread.run_sync(a.delete, "api-key")
+    assert not await trio.to_thread.run_sync(b.delete, "api-key")
+    raw = await objects.get(STORE_KEY)
+    assert b"secret-value" not in raw and b"value-" not in raw
