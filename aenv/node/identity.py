@@ -251,4 +251,8 @@ async def keep_keys(issuer: Issuer, _stop: object = None) -> None:
     every = issuer.rotation.lead_s / 2
     while True:
         await trio.sleep(every)
-        await trio.to_thread.run_sync(issuer.refresh)
+        try:
+            await trio.to_thread.run_sync(issuer.refresh)
+        except Exception as e:
+            # the store may be down a while: keep signing with the ring already read
+            log.warning("could not re-read the OIDC key ring (kept the current one): %r", e)
