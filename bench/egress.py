@@ -48,17 +48,10 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aenv.node.egress import (  # noqa: E402
-    EgressProxy,
-    Resolver,
-    listener_port,
-    open_egress_listener,
-)
 from aenv.node.egresstls import NodeCA, interceptor, upstream_context  # noqa: E402
 from aenv.proto.egressrules import Placeholder, parse_rules  # noqa: E402
 from aenv.proto.netpolicy import EgressPolicy  # noqa: E402
-from aenv.runtimes.netns import open_host_network  # noqa: E402
-from tests.egressnet import DNS_IP, NAMES, PREFIX, SUBNET, open_internet  # noqa: E402
+from tests.egressnet import NAMES, PREFIX, open_internet, open_proxied_network  # noqa: E402
 
 NS_PREFIX = PREFIX.removesuffix("i") + "b"
 SLOTS = os.environ.get("AENV_BENCH_EGRESS_SLOTS", "10.232.200.0/24")
@@ -138,24 +131,10 @@ async def bench(
     results: dict[str, dict[str, list[float]]] = {
         k: {"lat": [], "mib_s": []} for k in ("direct", "proxied", "intercepted")
     }
-    async with (
-        await open_egress_listener() as listener,
-        open_host_network(
-            cidr=SLOTS,
-            prefix=NS_PREFIX,
-            table=NS_PREFIX,
-            max_slots=4,
-            egress_cap=[SUBNET],
-            proxy_port=listener_port(listener),
-        ) as network,
-        trio.open_nursery() as nursery,
-    ):
-        proxy = EgressProxy(
-            policies=network,
-            resolver=Resolver([DNS_IP]),
-            intercept=interceptor(node_ca, upstream_context(ca), reveal),
-        )
-        await nursery.start(proxy.serve, listener)
+    async with open_proxied_network(
+        prefix=NS_PREFIX, slots=SLOTS, intercept=interceptor(node_ca, upstream_context(ca), reveal)
+    ) as proxied:
+        network, proxy = proxied.network, proxied.proxy
         cpu = cpu_tls = 0.0
         async with (
             network.open_slot(direct) as d,
@@ -177,7 +156,6 @@ async def bench(
         stats = proxy.statistics()
         print("proxy:", stats, file=sys.stderr)
         relayed = int(stats["bytes_in"]) + int(stats["bytes_out"])  # type: ignore[call-overload]
-        nursery.cancel_scope.cancel()
     out = {
         k: {
             "p50_ms": statistics.median(v["lat"]),

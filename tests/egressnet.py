@@ -24,6 +24,11 @@ default 203.0.113.160/28): every address below is an offset in it.
 
 `wrong.test` resolves but the certificate does not name it: a host that
 cannot prove its name over TLS.
+
+Shared by the egress tests and bench/egress.py: `internet_fixture(suffix)`
+(a module's internet), `socks_fixture()` (a SOCKS5 server in it),
+`open_proxied_network` (the node's host network and egress proxy without
+runsc), `policy` and `curl` (a request from a slot's namespace).
 """
 
 from __future__ import annotations
@@ -34,10 +39,23 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pytest
+import trio
+
+from aenv.node.egress import (
+    EgressEvent,
+    EgressProxy,
+    Resolver,
+    listener_port,
+    open_egress_listener,
+)
+from aenv.proto.netpolicy import EgressPolicy
+from aenv.runtimes.netns import HostNetwork, NetSlot, open_host_network
 from tests.tlscerts import TestCA
 
 PREFIX = os.environ.get("AENV_TEST_EGRESS_PREFIX", "aenvci")
@@ -59,6 +77,7 @@ def _at(offset: int) -> str:
 HOST_END = _at(14)
 DNS_IP = _at(5)
 PROXY_IP = _at(6)
+SOCKS_USER, SOCKS_PASSWORD = "u", "pw"
 A, B, C = _at(1), _at(2), _at(3)
 ADDRESSES = (A, B, C, DNS_IP, PROXY_IP)
 NAMES: dict[str, list[str]] = {
@@ -200,3 +219,99 @@ def open_internet(tmp: Path, *, prefix: str) -> Iterator[Internet]:
             proc.wait()
         _quiet("ip", "link", "del", host_if)
         _quiet("ip", "netns", "del", ns)
+
+
+# -- what the egress tests and bench/egress.py share ---------------------------------
+
+
+def internet_fixture(suffix: str) -> Any:
+    """A module-scoped `internet` fixture: the internet in namespace `PREFIX + suffix`
+    (one suffix per test module, so modules running at once never share one)."""
+
+    @pytest.fixture(scope="module")
+    def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
+        with open_internet(tmp_path_factory.mktemp("internet"), prefix=PREFIX + suffix) as net:
+            yield net
+
+    return internet
+
+
+def socks_fixture() -> Any:
+    """A `socks` fixture: `tests.socksserver` on `PROXY_IP:1080` in the module's
+    internet, credentials `SOCKS_USER`/`SOCKS_PASSWORD`, for one test; the
+    path of its log (one line per CONNECT)."""
+
+    @pytest.fixture
+    def socks(internet: Internet, tmp_path: Path) -> Iterator[Path]:
+        from tests.socksserver import open_socks
+
+        log = tmp_path / "socks.log"
+        with open_socks(
+            internet.netns, PROXY_IP, log, names=NAMES, user=SOCKS_USER, password=SOCKS_PASSWORD
+        ):
+            yield log
+
+    return socks
+
+
+def policy(**network: object) -> EgressPolicy:
+    """The egress policy of a create body's `network` (E2B wire names)."""
+    return EgressPolicy.from_request(allow_internet_access=None, network=network)
+
+
+@dataclass
+class Proxied:
+    network: HostNetwork
+    proxy: EgressProxy
+    port: int
+
+
+@contextlib.asynccontextmanager
+async def open_proxied_network(
+    *,
+    prefix: str,
+    slots: str,
+    events: list[EgressEvent] | None = None,
+    intercept: Any = None,
+) -> AsyncIterator[Proxied]:
+    """The node's host network without runsc: a `HostNetwork` (names `prefix`,
+    sandbox addresses in `slots`, egress capped to the internet's `SUBNET`)
+    whose host-name rules go to the node's `EgressProxy`, asking the
+    internet's resolver, in this process."""
+    async with (
+        await open_egress_listener() as listener,
+        open_host_network(
+            cidr=slots,
+            prefix=prefix,
+            table=prefix,
+            max_slots=4,
+            egress_cap=[SUBNET],
+            proxy_port=listener_port(listener),
+        ) as network,
+        trio.open_nursery() as nursery,
+    ):
+        proxy = EgressProxy(
+            policies=network,
+            resolver=Resolver([DNS_IP]),
+            on_event=events.append if events is not None else (lambda _e: None),
+            intercept=intercept,
+        )
+        await nursery.start(proxy.serve, listener)
+        yield Proxied(network, proxy, listener_port(listener))
+        nursery.cancel_scope.cancel()
+
+
+async def curl(slot: NetSlot, ca: Path, url: str, *, to: str | None = None, host: str = "") -> str:
+    """curl `url` in the slot's namespace, its name pinned to `to` (default: its
+    real address), trusting `ca`, 5 s at most: the answer, or "refused"."""
+    name = url.split("/")[2]
+    port = "443" if url.startswith("https") else "80"
+    argv = ["ip", "netns", "exec", slot.netns_name, "curl", "-sS", "-m", "5", "--cacert", str(ca)]
+    if name in NAMES:
+        argv += ["--resolve", f"{name}:{port}:{to or NAMES[name][0]}"]
+    if host:
+        argv += ["-H", f"Host: {host}"]
+    done = await trio.run_process(
+        [*argv, url], capture_stdout=True, capture_stderr=True, check=False
+    )
+    return (done.stdout or done.stderr).decode().strip() if done.returncode == 0 else "refused"

@@ -49,7 +49,6 @@ from tests.egressnet import (
     HOST_END,
     NAMES,
     NODE_RANGES,
-    PREFIX,
     PROXY_IP,
     SUBNET,
     UNCERTIFIED,
@@ -57,9 +56,9 @@ from tests.egressnet import (
     B,
     C,
     Internet,
-    open_internet,
+    internet_fixture,
+    socks_fixture,
 )
-from tests.socksserver import open_socks
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -70,10 +69,8 @@ SLOTS = NODE_RANGES[:2]
 ONLY_THESE = {"allow_out": ["allowed.test", "*.cdn.test"], "deny_out": ["0.0.0.0/0"]}
 
 
-@pytest.fixture(scope="module")
-def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with open_internet(tmp_path_factory.mktemp("internet"), prefix=PREFIX) as net:
-        yield net
+internet = internet_fixture("")
+socks = socks_fixture()
 
 
 @pytest.fixture(scope="module")
@@ -474,7 +471,7 @@ def test_rules_added_at_runtime(enode: NodeProc, internet: Internet) -> None:
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
-def test_npm_sdk(enode: NodeProc, internet: Internet, tmp_path: Path) -> None:
+def test_npm_sdk(enode: NodeProc, internet: Internet, socks: Path) -> None:
     js = Path(__file__).resolve().parent.parent / "js"
     if not (js / "node_modules" / "e2b").is_dir():
         pytest.skip("npm e2b not installed (make test installs it)")
@@ -488,18 +485,15 @@ def test_npm_sdk(enode: NodeProc, internet: Internet, tmp_path: Path) -> None:
         EGRESS_OTHER_IP=NAMES["other.test"][0],
         EGRESS_PROXY=f"{PROXY_IP}:1080",
     )
-    with open_socks(
-        internet.netns, PROXY_IP, tmp_path / "socks.log", names=NAMES, user="u", password="pw"
-    ):
-        r = subprocess.run(
-            ["node", "--test", "--test-concurrency=1", "egress.test.mjs"],
-            cwd=js,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=480,
-        )
+    r = subprocess.run(
+        ["node", "--test", "--test-concurrency=1", "egress.test.mjs"],
+        cwd=js,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "# pass 4" in r.stdout, r.stdout[-3000:]  # none skipped
     # the SOCKS test's one allowed connection went through the proxy, with credentials
-    assert "CONNECT other.test 443 user=u ok" in (tmp_path / "socks.log").read_text()
+    assert "CONNECT other.test 443 user=u ok" in socks.read_text()

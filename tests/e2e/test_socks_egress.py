@@ -38,11 +38,11 @@ from tests.egressnet import (
     HOST_END,
     NAMES,
     NODE_RANGES,
-    PREFIX,
     PROXY_IP,
     SUBNET,
     Internet,
-    open_internet,
+    internet_fixture,
+    socks_fixture,
 )
 from tests.socksserver import open_socks
 
@@ -55,17 +55,8 @@ PROXY = {"address": f"{PROXY_IP}:1080", "username": "u", "password": "pw"}
 SLOTS = NODE_RANGES[2]
 
 
-@pytest.fixture(scope="module")
-def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with open_internet(tmp_path_factory.mktemp("internet"), prefix=PREFIX + "e") as net:
-        yield net
-
-
-@pytest.fixture
-def socks(internet: Internet, tmp_path: Path) -> Iterator[Path]:
-    log = tmp_path / "socks.log"
-    with open_socks(internet.netns, PROXY_IP, log, names=NAMES, user="u", password="pw"):
-        yield log
+internet = internet_fixture("e")
+socks = socks_fixture()
 
 
 @pytest.fixture(scope="module")

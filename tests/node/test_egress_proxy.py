@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import pytest
 import trio
@@ -22,13 +21,18 @@ import trio
 from aenv.node.egress import (
     EgressEvent,
     EgressProxy,
-    Resolver,
-    listener_port,
-    open_egress_listener,
 )
 from aenv.proto.netpolicy import EgressPolicy
-from aenv.runtimes.netns import HostNetwork, NetSlot, open_host_network
-from tests.egressnet import DNS_IP, NAMES, PREFIX, SUBNET, Internet, open_internet
+from aenv.runtimes.netns import HostNetwork
+from tests.egressnet import (
+    NAMES,
+    PREFIX,
+    Internet,
+    curl,
+    internet_fixture,
+    open_proxied_network,
+    policy,
+)
 
 pytestmark = [
     pytest.mark.runsc,
@@ -44,50 +48,15 @@ NS_PREFIX = PREFIX.removesuffix("i") + "p"
 SLOTS = os.environ.get("AENV_TEST_EGRESS_SLOTS", "10.232.202.0/24")
 
 
-def policy(**network: object) -> EgressPolicy:
-    return EgressPolicy.from_request(allow_internet_access=None, network=network)
-
-
-@pytest.fixture(scope="module")
-def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with open_internet(tmp_path_factory.mktemp("inet"), prefix=PREFIX + "p") as net:
-        yield net
+internet = internet_fixture("p")
 
 
 @asynccontextmanager
 async def proxied(
     events: list[EgressEvent],
 ) -> AsyncIterator[tuple[HostNetwork, EgressProxy, int]]:
-    async with (
-        await open_egress_listener() as listener,
-        open_host_network(
-            cidr=SLOTS,
-            prefix=NS_PREFIX,
-            table=NS_PREFIX,
-            max_slots=4,
-            egress_cap=[SUBNET],
-            proxy_port=listener_port(listener),
-        ) as network,
-        trio.open_nursery() as nursery,
-    ):
-        proxy = EgressProxy(policies=network, resolver=Resolver([DNS_IP]), on_event=events.append)
-        await nursery.start(proxy.serve, listener)
-        yield network, proxy, listener_port(listener)
-        nursery.cancel_scope.cancel()
-
-
-async def curl(slot: NetSlot, ca: Path, url: str, *, to: str | None = None, host: str = "") -> str:
-    name = url.split("/")[2]
-    port = "443" if url.startswith("https") else "80"
-    argv = ["ip", "netns", "exec", slot.netns_name, "curl", "-sS", "-m", "5", "--cacert", str(ca)]
-    if name in NAMES:
-        argv += ["--resolve", f"{name}:{port}:{to or NAMES[name][0]}"]
-    if host:
-        argv += ["-H", f"Host: {host}"]
-    done = await trio.run_process(
-        [*argv, url], capture_stdout=True, capture_stderr=True, check=False
-    )
-    return (done.stdout or done.stderr).decode().strip() if done.returncode == 0 else "refused"
+    async with open_proxied_network(prefix=NS_PREFIX, slots=SLOTS, events=events) as p:
+        yield p.network, p.proxy, p.port
 
 
 async def test_names_decide_and_addresses_must_match(internet: Internet) -> None:

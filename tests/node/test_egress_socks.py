@@ -15,18 +15,27 @@ from __future__ import annotations
 import ipaddress
 import os
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import trio
 
-from aenv.node.egress import EgressEvent, EgressProxy, Resolver, listener_port, open_egress_listener
+from aenv.node.egress import EgressEvent
 from aenv.proto.netpolicy import EgressPolicy
-from aenv.runtimes.netns import HostNetwork, NetSlot, open_host_network
+from aenv.runtimes.netns import HostNetwork
 from tests.conftest import NET_PREFIX, SLOT_CIDR
-from tests.egressnet import DNS_IP, NAMES, PREFIX, PROXY_IP, SUBNET, Internet, open_internet
+from tests.egressnet import (
+    NAMES,
+    PROXY_IP,
+    Internet,
+    curl,
+    internet_fixture,
+    open_proxied_network,
+    policy,
+    socks_fixture,
+)
 from tests.socksserver import open_socks
 
 pytestmark = [
@@ -42,53 +51,14 @@ SLOTS = str(list(ipaddress.IPv4Network(SLOT_CIDR).subnets(new_prefix=24))[-1])
 CREDS = {"username": "u", "password": "pw"}
 
 
-def policy(**network: object) -> EgressPolicy:
-    return EgressPolicy.from_request(allow_internet_access=None, network=network)
-
-
-@pytest.fixture(scope="module")
-def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with open_internet(tmp_path_factory.mktemp("inet"), prefix=PREFIX + "s") as net:
-        yield net
-
-
-@pytest.fixture
-def socks(internet: Internet, tmp_path: Path) -> Iterator[Path]:
-    log = tmp_path / "socks.log"
-    with open_socks(internet.netns, PROXY_IP, log, names=NAMES, user="u", password="pw"):
-        yield log
+internet = internet_fixture("s")
+socks = socks_fixture()
 
 
 @asynccontextmanager
 async def proxied(events: list[EgressEvent]) -> AsyncIterator[HostNetwork]:
-    async with (
-        await open_egress_listener() as listener,
-        open_host_network(
-            cidr=SLOTS,
-            prefix=NET_PREFIX + "q",
-            table=NET_PREFIX + "q",
-            max_slots=4,
-            egress_cap=[SUBNET],
-            proxy_port=listener_port(listener),
-        ) as network,
-        trio.open_nursery() as nursery,
-    ):
-        proxy = EgressProxy(policies=network, resolver=Resolver([DNS_IP]), on_event=events.append)
-        await nursery.start(proxy.serve, listener)
-        yield network
-        nursery.cancel_scope.cancel()
-
-
-async def curl(slot: NetSlot, ca: Path, url: str) -> str:
-    name = url.split("/")[2]
-    port = "443" if url.startswith("https") else "80"
-    argv = ["ip", "netns", "exec", slot.netns_name, "curl", "-sS", "-m", "5", "--cacert", str(ca)]
-    if name in NAMES:
-        argv += ["--resolve", f"{name}:{port}:{NAMES[name][0]}"]
-    done = await trio.run_process(
-        [*argv, url], capture_stdout=True, capture_stderr=True, check=False
-    )
-    return done.stdout.decode().strip() if done.returncode == 0 else "refused"
+    async with open_proxied_network(prefix=NET_PREFIX + "q", slots=SLOTS, events=events) as p:
+        yield p.network
 
 
 async def test_traffic_leaves_through_the_proxy(internet: Internet, socks: Path) -> None:
