@@ -97,3 +97,17 @@ def test_info_reports_them_and_an_update_keeps_them(node: NodeProc, sandbox: San
 def test_envd_port_cannot_be_an_https_port(node: NodeProc) -> None:
     with pytest.raises(Exception, match="49983"):
         Sandbox.create("base", network={"https_ports": [49983]})
+
+
+def test_kept_across_pause_and_fork(node: NodeProc, sandbox: Sandbox) -> None:
+    sandbox.pause()
+    again = Sandbox.connect(sandbox.sandbox_id)
+    assert _get(node, again, 8443).text == "host=8443-app.example.com"
+    (child,) = again.fork(count=1)
+    assert isinstance(child, Sandbox), child
+    try:
+        # the fork runs the same servers (memory and all) under the same settings
+        assert _get(node, child, 8091).text == "host=8091-app.example.com"
+        assert _get(node, child, 8443).text == "host=8443-app.example.com"
+    finally:
+        child.kill()
