@@ -18,7 +18,8 @@ import trio
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from aenv.node.identity import RING_KEY, Issuer, KeyRingError
+from aenv.config import Config
+from aenv.node.identity import RING_KEY, Issuer, KeyRingError, rotation
 from aenv.proto.identity import TokenSpec
 from aenv.proto.keyring import Rotation
 from aenv.storage.objstore import open_object_store
@@ -133,3 +134,13 @@ async def test_a_cluster_shares_one_ring_through_the_store(tmp_path: Path) -> No
                 seal=sealing_key("another-secret", "oidc keys"),
             )
         )
+
+
+def test_rotation_period_from_the_environment(tmp_path: Path) -> None:
+    home = {"AENV_HOME": str(tmp_path)}
+    assert Config.from_env(home).oidc_rotate_s == 7 * 24 * 3600
+    cfg = Config.from_env({**home, "AENV_OIDC_ROTATE_S": "3600"})
+    assert rotation(cfg.oidc_rotate_s) == Rotation(period_s=3600, lead_s=120, token_ttl_s=300)
+    assert rotation(60).lead_s == 6  # a tenth of short periods
+    with pytest.raises(ValueError, match="AENV_OIDC_ROTATE_S"):
+        Config.from_env({**home, "AENV_OIDC_ROTATE_S": "0"})
