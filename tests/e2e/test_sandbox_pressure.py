@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +54,15 @@ def _metric(node: NodeProc, name: str) -> float:
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith(name + " ") or line.startswith(name + "{")
+    )
+
+
+def _cli(node: NodeProc, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`aenv *args` against `node`, with no configuration but the node's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+    env.update(XDG_CONFIG_HOME=str(config), AENV_URL=node.url, AENV_API_KEY=node.api_key)
+    return subprocess.run(
+        [sys.executable, "-m", "aenv", *args], env=env, capture_output=True, text=True, timeout=60
     )
 
 
@@ -117,8 +128,8 @@ def test_orphans_are_collected(sbx: Sandbox) -> None:
     assert zombies.strip() == "0"
 
 
-def test_sandbox_killed_by_the_host_says_why(node: NodeProc) -> None:
-    s = Sandbox.create(TEMPLATE, timeout=300)
+def test_sandbox_killed_by_the_host_says_why(node: NodeProc, tmp_path: Path) -> None:
+    s = Sandbox.create(TEMPLATE, timeout=300, metadata={"case": "died"})
     try:
         sid = s.sandbox_id
         # the host runs short: its cgroup limit just above what the sandbox holds now
@@ -144,6 +155,24 @@ def test_sandbox_killed_by_the_host_says_why(node: NodeProc) -> None:
         with pytest.raises(NotFoundException):
             Sandbox.get_info(sid)
         assert _metric(node, "aenv_sandboxes_died_total") >= 1
+        # the SDK's list still parses (it knows only running and paused) and leaves it out
+        assert sid not in [i.sandbox_id for i in Sandbox.list().next_items()]
+        # asked for by name, lists show it with the reason
+        r = httpx.get(
+            f"{node.url}/v2/sandboxes",
+            params={"state": "died", "metadata": "case=died"},
+            headers={"X-API-Key": node.api_key},
+        )
+        assert r.status_code == 200
+        [died] = [d for d in r.json() if d["sandboxID"] == sid]
+        assert died["state"] == "died"
+        assert "out of memory" in died["reason"]
+        assert died["memoryMB"] == 512
+        cli = _cli(node, tmp_path, "list", "--all")
+        assert cli.returncode == 0, cli.stderr
+        [row] = [line for line in cli.stdout.splitlines() if sid in line]
+        assert "died" in row and "out of memory" in row
+        assert "REASON" in cli.stdout.splitlines()[0]
     finally:
         with contextlib.suppress(Exception):
             s.kill()
