@@ -1118,6 +1118,7 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
         state_root=config.run_dir / "runsc",
         cgroup_parent=prefix,
         memory_headroom_mb=config.memory_headroom_mb,
+        process_limit=config.process_limit_for,
     )
     roots = OverlayRoots()
     live = await reap_leftovers(config, runtime=runtime, roots=roots)
