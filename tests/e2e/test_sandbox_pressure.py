@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -116,6 +117,43 @@ def test_fork_bomb_meets_the_process_limit(sbx: Sandbox) -> None:
     assert sbx.commands.run("echo ok").stdout.strip() == "ok"
 
 
+def test_fork_bomb_memory_hog_and_disk_writer_at_once(node: NodeProc, sbx: Sandbox) -> None:
+    # all three at once: the runtime's memory for the bomb's tasks, a guest whose
+    # memory is full and the page cache of a disk being filled stay inside the
+    # host's limit, so the process limit, envd's OOM killer and the disk's size act
+    # first and the sandbox lives on
+    hogs_s = 25
+    mem = "i=0; while true; do python3 -c 'x = bytearray(2*1024**3)'; i=$((i+1)); echo $i > /var/tmp/mem; done"
+    disk = (
+        "i=0; while true; do dd if=/dev/zero of=/home/user/fill bs=1M 2>/dev/null; "
+        "rm -f /home/user/fill; i=$((i+1)); echo $i > /var/tmp/disk; done"
+    )
+    sbx.commands.run(
+        f"timeout {hogs_s} bash -c 'b(){{ b|b& }}; b' >/dev/null 2>&1", background=True
+    )
+    for loop in (mem, disk):
+        sbx.commands.run(
+            f"timeout {hogs_s} sh -c {shlex.quote(loop)} >/dev/null 2>&1",
+            background=True,
+            user="root",
+        )
+    t0 = time.monotonic()
+    bombs = 0
+    while time.monotonic() - t0 < hogs_s:  # envd answers throughout
+        r = sbx.commands.run("pgrep -c -u user || true", user="root", timeout=60)
+        bombs = max(bombs, int(r.stdout.strip() or 0))
+    time.sleep(3)  # the hogs have ended
+    with contextlib.suppress(CommandExitException):
+        sbx.commands.run("pkill -9 -u user", user="root", timeout=60)
+    rounds = sbx.commands.run("cat /var/tmp/mem /var/tmp/disk", user="root").stdout.split()
+    assert bombs >= 64  # the bomb was at it ...
+    assert int(rounds[0]) >= 2  # ... while hogs were killed for memory, one after another ...
+    assert int(rounds[1]) >= 1  # ... and the disk was filled (ENOSPC) and emptied
+    assert sbx.commands.run("echo alive").stdout.strip() == "alive"
+    kills = [e for e in _logs(node, sbx.sandbox_id) if "out of memory" in str(e["message"])]
+    assert len(kills) >= 2
+
+
 def test_orphans_are_collected(sbx: Sandbox) -> None:
     # background children of a shell that exits are handed to pid 1 (envd)
     sbx.commands.run("bash -c 'sleep 0.2 & sleep 0.2 &'", timeout=60)
@@ -168,7 +206,7 @@ def test_sandbox_killed_by_the_host_says_why(node: NodeProc, tmp_path: Path) -> 
         assert died["state"] == "died"
         assert "out of memory" in died["reason"]
         assert died["memoryMB"] == 512
-        cli = _cli(node, tmp_path, "list", "--all")
+        cli = _cli(node, tmp_path, "list", "--all", "--output", "table")
         assert cli.returncode == 0, cli.stderr
         [row] = [line for line in cli.stdout.splitlines() if sid in line]
         assert "died" in row and "out of memory" in row
