@@ -172,6 +172,7 @@ def main() -> int:
                     hog.commands.run(command, background=True, user=user)
                 time.sleep(5)  # let all three reach their limits
                 started = time.monotonic()
+                started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
                 before = activity(hog)
                 loaded = sample(quiet, args.n)
                 after = activity(hog)
@@ -191,6 +192,11 @@ def main() -> int:
                     .get("logs", [])
                 )  # (none for a sandbox that died)
                 kills = sum("out of memory" in str(e["message"]) for e in logs)
+                detail = httpx.get(
+                    f"{node.url}/sandboxes/{hog.sandbox_id}",
+                    headers={"X-API-Key": node.api_key},
+                )
+                died = "" if detail.status_code == 200 else str(detail.json().get("message"))
             finally:
                 for s in (quiet, hog):
                     with contextlib.suppress(Exception):
@@ -202,6 +208,8 @@ def main() -> int:
             "hogs": stats(loaded),
             "hog_sandbox_alive_after": alive == "alive",
             "hog_sandbox_answer": alive,
+            "hog_sandbox_died": died,  # when and why, if it did
+            "hogs_started": started_at,
             "oom_kills_logged": kills,
             "hogs_before_sampling": before,
             "hogs_after_sampling": after,
