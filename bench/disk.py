@@ -18,10 +18,14 @@ two, so both see the same machine (other jobs on it included). Each round,
    root file system now, with or without a disk).
 
 Then, unless `--pause-rounds 0`, pause and resume: each round writes
-`--pause-mib` MiB (`dd`, fsynced) into /home/user, times `pause()` through
-the SDK (**pause_written**: the writable layer is frozen into a layer),
-resumes (`Sandbox.connect`), times a second `pause()` with nothing new
-written (**pause_empty**, the baseline) and resumes again, in seconds.
+`--pause-mib` MiB (`dd`, fsynced) into /home/user, times
+`pause(mode="filesystem")` through the SDK (**pause_written**: the writable
+layer is frozen into a layer at once: a rename on the host's file system, a
+copy off a sandbox's disk), resumes (`Sandbox.connect`), times a second
+pause with nothing new written (**pause_empty**, the baseline) and resumes
+again, in seconds. (A default pause freezes the sandbox in memory and
+returns in tens of milliseconds on both sides; its files are copied later,
+by the write-behind or hibernation.)
 
 Each line prints p50/p95 for both sides and sized/unbounded of the p50 (the
 aim is >= 0.9). Results go to bench/results/disk-<timestamp>.json. Needs
@@ -112,7 +116,7 @@ def pause_round(s: Any, args: argparse.Namespace, out: dict[str, list[float]]) -
     )
     for name in ("pause_written", "pause_empty"):
         t0 = time.perf_counter()
-        s.pause()
+        s.pause(mode="filesystem")
         out[name].append(time.perf_counter() - t0)
         s = Sandbox.connect(s.sandbox_id, timeout=1800)
         assert s.commands.run("echo back").stdout.strip() == "back"
