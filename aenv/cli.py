@@ -415,14 +415,23 @@ def list_(
     *,
     output: Output = None,
     state: Annotated[
-        list[Literal["running", "paused"]] | None,
-        Parameter(help="only sandboxes in this state (repeatable)", negative=""),
+        list[Literal["running", "paused", "died"]] | None,
+        Parameter(
+            help="only sandboxes in this state (repeatable); died: runtimes that stopped "
+            "by themselves (a crash, the host out of memory) within the last hour",
+            negative="",
+        ),
     ] = None,
+    all_: Annotated[
+        bool,
+        Parameter(name="--all", help="running, paused and died sandboxes (and why they died)"),
+    ] = False,
     node: NodeOptions = _NODE,
 ) -> None:
     """List sandboxes."""
+    states: list[str] = ["running", "paused", "died"] if all_ else list(state or [])
     with node.client() as c:
-        items = c.list_sandboxes(list(state) if state else None)
+        items = c.list_sandboxes(states or None)
     _emit(items, output, render.sandboxes_table)
 
 

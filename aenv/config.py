@@ -92,7 +92,7 @@ class Config:
     default_memory_mb: int = 512
     # Processes (threads included) each user of a sandbox may run at once
     # (AENV_PROCESS_LIMIT): past it fork/clone fail with EAGAIN inside. None:
-    # one per 2 MiB of the sandbox's memory, at least 128 (256 for 512 MiB).
+    # one per 4 MiB of the sandbox's memory, at least 128 (128 for 512 MiB).
     process_limit: int | None = None
     # How far above its size a sandbox's host memory limit is (AENV_MEMORY_HEADROOM_MB;
     # at least an eighth of the size): the runtime's own memory and the room the
@@ -231,7 +231,7 @@ class Config:
 
     def process_limit_for(self, memory_mb: int) -> int:
         """The process limit of a sandbox of `memory_mb` (`process_limit`)."""
-        return self.process_limit or max(128, memory_mb // 2)
+        return self.process_limit or max(128, memory_mb // 4)
 
     @property
     def effective_store_url(self) -> str | None:

@@ -17,6 +17,16 @@ two, so both see the same machine (other jobs on it included). Each round,
 3. **tmp**: the same `dd` into /tmp (a memory tmpfs before disk sizes; on the
    root file system now, with or without a disk).
 
+Then, unless `--pause-rounds 0`, pause and resume: each round writes
+`--pause-mib` MiB (`dd`, fsynced) into /home/user, times
+`pause(mode="filesystem")` through the SDK (**pause_written**: the writable
+layer is frozen into a layer at once: a rename on the host's file system, a
+copy off a sandbox's disk), resumes (`Sandbox.connect`), times a second
+pause with nothing new written (**pause_empty**, the baseline) and resumes
+again, in seconds. (A default pause freezes the sandbox in memory and
+returns in tens of milliseconds on both sides; its files are copied later,
+by the write-behind or hibernation.)
+
 Each line prints p50/p95 for both sides and sized/unbounded of the p50 (the
 aim is >= 0.9). Results go to bench/results/disk-<timestamp>.json. Needs
 root and runsc; the home (default `$AENV_TEST_HOME`) must hold the envd
@@ -48,6 +58,7 @@ sys.path.insert(0, str(REPO))
 from tests.conftest import link_home, sdk_pointed_at, start_node, stop_node  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
+UNITS = {"seq": "MB/s", "files": "files/s", "tmp": "MB/s", "pause_written": "s", "pause_empty": "s"}
 _DD_RATE = re.compile(r"copied, ([0-9.]+) s")
 _FILES = """
 import os, sys, time
@@ -94,6 +105,24 @@ def one_round(s: Any, args: argparse.Namespace, out: dict[str, list[float]]) -> 
     out["files"].append(args.files / float(r.stdout.strip()))
 
 
+def pause_round(s: Any, args: argparse.Namespace, out: dict[str, list[float]]) -> Any:
+    """Time a pause after writing `--pause-mib` MiB and one after writing nothing;
+    returns the resumed sandbox."""
+    from e2b import Sandbox
+
+    s.commands.run(
+        f"dd if=/dev/zero of=/home/user/pause-$RANDOM bs=1M count={args.pause_mib} conv=fsync",
+        timeout=600,
+    )
+    for name in ("pause_written", "pause_empty"):
+        t0 = time.perf_counter()
+        s.pause(mode="filesystem")
+        out[name].append(time.perf_counter() - t0)
+        s = Sandbox.connect(s.sandbox_id, timeout=1800)
+        assert s.commands.run("echo back").stdout.strip() == "back"
+    return s
+
+
 def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     from e2b import Sandbox
 
@@ -110,7 +139,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     key = "bench-" + secrets.token_hex(8)
     node = start_node(home, api_key=key, log_path=home / "node.log", extra_env=env)
     out: dict[str, dict[str, list[float]]] = {
-        side: {"seq": [], "files": [], "tmp": []} for side in ("unbounded", "sized")
+        side: {name: [] for name in UNITS} for side in ("unbounded", "sized")
     }
     boxes: dict[str, Any] = {}
     try:
@@ -125,6 +154,10 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
                 sides = ("unbounded", "sized") if i % 2 == 0 else ("sized", "unbounded")
                 for side in sides:
                     one_round(boxes[side], args, out[side])
+            for i in range(args.pause_rounds):
+                sides = ("unbounded", "sized") if i % 2 == 0 else ("sized", "unbounded")
+                for side in sides:
+                    boxes[side] = pause_round(boxes[side], args, out[side])
     finally:
         with sdk_pointed_at(node.url, key):
             for s in boxes.values():
@@ -140,6 +173,8 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--files", type=int, default=2000)
     p.add_argument("--disk-mb", type=int, default=4096)
+    p.add_argument("--pause-rounds", type=int, default=3)
+    p.add_argument("--pause-mib", type=int, default=500)
     p.add_argument("--template", default="base")
     p.add_argument("--home", type=Path, default=Path(os.environ.get("AENV_TEST_HOME", "")))
     args = p.parse_args()
@@ -147,15 +182,16 @@ def main() -> None:
     samples = measure(args)
     unbounded, sized = samples["unbounded"], samples["sized"]
     rows: dict[str, Any] = {}
-    units = {"seq": "MB/s", "files": "files/s", "tmp": "MB/s"}
-    print(f"{'':6} {'unbounded p50/p95':>22} {'sized p50/p95':>22} {'ratio':>6}")
-    for name in ("seq", "files", "tmp"):
+    print(f"{'':13} {'unbounded p50/p95':>22} {'sized p50/p95':>22} {'ratio':>6}")
+    for name, unit in UNITS.items():
+        if not unbounded[name] or not sized[name]:
+            continue
         a, b = stats(unbounded[name]), stats(sized[name])
         ratio = b["p50"] / a["p50"]
-        rows[name] = {"unbounded": a, "sized": b, "ratio": ratio, "unit": units[name]}
+        rows[name] = {"unbounded": a, "sized": b, "ratio": ratio, "unit": unit}
         print(
-            f"{name:6} {a['p50']:10.1f}/{a['p95']:<10.1f} {b['p50']:10.1f}/{b['p95']:<10.1f}"
-            f" {ratio:6.2f}  {units[name]}"
+            f"{name:13} {a['p50']:10.2f}/{a['p95']:<10.2f} {b['p50']:10.2f}/{b['p95']:<10.2f}"
+            f" {ratio:6.2f}  {unit}"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")

@@ -80,18 +80,20 @@ async def list_v1() -> Response:
 async def list_v2() -> Response:
     meta = _metadata_filter(request.args.get("metadata"))
     states = {s for s in request.args.get("state", "").split(",") if s}
-    bad = states - {"running", "paused"}
+    bad = states - {"running", "paused", sv.DIED}
     if bad:
-        raise ApiError(400, f"unknown state filter {sorted(bad)}: use running and/or paused")
+        raise ApiError(400, f"unknown state filter {sorted(bad)}: use running, paused and/or died")
     try:
         limit = int(request.args.get("limit", V2_PAGE_DEFAULT))
     except ValueError:
         raise ApiError(400, "limit must be an integer") from None
     if not 1 <= limit <= V2_PAGE_MAX:
         raise ApiError(400, f"limit must be between 1 and {V2_PAGE_MAX}")
+    # died sandboxes (aenv's) only when asked for: E2B's SDKs parse no other state
+    wanted = sv.ADDRESSABLE | {sv.DIED} if sv.DIED in states else None
     items = [
         a
-        for a in await deps().service.list(metadata=meta)
+        for a in await deps().service.list(metadata=meta, states=wanted)
         if not states or views.api_state(a) in states
     ]
     token = request.args.get("nextToken")

@@ -16,6 +16,9 @@ def iso(ts: float) -> str:
 
 def api_state(a: SandboxInfo) -> str:
     # E2B knows only running and paused; creating/stopping sandboxes are not listed.
+    # "died" (aenv's) is listed only when asked for by name (`state=died`).
+    if a.died is not None:
+        return "died"
     return "paused" if a.state in PAUSED else "running"
 
 
@@ -49,6 +52,8 @@ def _common(a: SandboxInfo) -> dict[str, Any]:
     }
     if a.alias is not None:
         d["alias"] = a.alias
+    if a.died is not None:  # aenv extension: when and why it died (its endAt: when)
+        d["reason"] = a.died
     return d
 
 

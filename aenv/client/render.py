@@ -76,16 +76,19 @@ def sandboxes_table(items: Sequence[dict[str, Any]], now: dt.datetime | None = N
             str(s.get("alias") or s.get("templateID", "")),
             str(s.get("state", "")),
             ago(s.get("startedAt"), now),
-            until(s.get("endAt"), now),
+            "-" if s.get("state") == "died" else until(s.get("endAt"), now),
             str(s.get("cpuCount", "")),
             f"{s.get('memoryMB', '')}",
             ",".join(f"{k}={v}" for k, v in sorted((s.get("metadata") or {}).items())),
         ]
         for s in items
     ]
-    return table(
-        ["SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEM MB", "METADATA"], rows
-    )
+    heads = ["SANDBOX ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEM MB", "METADATA"]
+    if any(s.get("reason") for s in items):  # died ones: why (`aenv list --all`)
+        heads.append("REASON")
+        for row, s in zip(rows, items, strict=True):
+            row.append(str(s.get("reason") or ""))
+    return table(heads, rows)
 
 
 def templates_table(items: Sequence[dict[str, Any]]) -> str:

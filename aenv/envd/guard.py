@@ -9,7 +9,11 @@ which is pid 1 inside, plays the kernel's part: `watch_memory` reads
 with the largest resident set (never envd itself) with SIGKILL, as Linux's
 OOM killer would, then waits for that victim to go before it picks another.
 It looks more often the less memory is free, so an idle sandbox costs
-almost nothing. Each kill is written to envd's console as one line starting
+almost nothing. Choosing a victim means reading every process's resident
+set, which under a fork bomb (hundreds of processes, little CPU for envd)
+takes long enough for a fast allocator to outgrow the host's headroom; so
+once memory runs low (`READY_PCT`) envd keeps its choice ready, refreshed
+every `READY_MAX_AGE_S`, and the kill itself needs no scan. Each kill is written to envd's console as one line starting
 (`aenv.proto.oomevent`); the node reads those lines into
 the sandbox's logs and metrics.
 
@@ -50,6 +54,10 @@ from aenv.proto.oomevent import OomKill, format_kill
 DEFAULT_PROCESS_LIMIT = 1024
 # Kill when less than this share of the sandbox's memory is free ...
 RESERVE_PCT = 1.0
+# ... with the victim chosen in advance once less than this share is free, the
+# choice at most this old (and its process still there) when it is used.
+READY_PCT = 25.0
+READY_MAX_AGE_S = 0.5
 # ... and look again after at most POLL_MAX_S, at least POLL_MIN_S, sooner the
 # less is free (assuming a process allocates at up to ALLOC_RATE bytes a second,
 # which is what a guest manages here).
@@ -145,25 +153,30 @@ async def reap_orphans(managed: Callable[[], Collection[int]]) -> None:
 
 
 def read_procs(proc: Path = Path("/proc")) -> list[Proc]:
-    """Every process's name and resident set (blocking; /proc reads do not wait)."""
+    """Every process's resident set (blocking; /proc reads do not wait). Names
+    are left out ("?"; `name_of` for the one that matters): statm is one short
+    line, status a long page, and this runs over every process when memory is
+    short."""
     found: list[Proc] = []
+    page = os.sysconf("SC_PAGE_SIZE")
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            status = (entry / "status").read_text()
+            fields = (entry / "statm").read_text().split()
         except OSError:
             continue
-        name, rss = "?", 0
-        for line in status.splitlines():
-            key, _, value = line.partition(":")
-            if key == "Name":
-                name = value.strip()
-            elif key == "VmRSS":
-                parts = value.split()
-                rss = int(parts[0]) * 1024 if parts and parts[0].isdigit() else 0
-        found.append(Proc(int(entry.name), name, rss))
+        rss = int(fields[1]) * page if len(fields) > 1 and fields[1].isdigit() else 0
+        found.append(Proc(int(entry.name), "?", rss))
     return found
+
+
+def name_of(pid: int, proc: Path = Path("/proc")) -> str:
+    """A process's command name, "?" once it is gone."""
+    try:
+        return (proc / str(pid) / "comm").read_text().strip() or "?"
+    except OSError:
+        return "?"
 
 
 def _alive(pid: int) -> bool:
@@ -181,10 +194,12 @@ async def watch_memory(
     kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
     alive: Callable[[int], bool] = _alive,
     report: Callable[[str], None] | None = None,
+    name: Callable[[int], str] = name_of,
 ) -> None:
     """Forever: when the guest's memory is used up, kill the largest process."""
     spare = {1, os.getpid()}
     pending: tuple[int, float] | None = None  # the latest victim and when it was killed
+    ready: tuple[Proc | None, float] | None = None  # the next victim and when it was chosen
     say = report or _console
     while True:
         try:
@@ -192,14 +207,17 @@ async def watch_memory(
         except (OSError, ValueError):
             await trio.sleep(POLL_MAX_S)
             continue
+        now = time.monotonic()
         if total > 0 and free < total * RESERVE_PCT / 100:
-            if pending is not None and (
-                alive(pending[0]) and time.monotonic() - pending[1] < VICTIM_GRACE_S
-            ):
+            if pending is not None and (alive(pending[0]) and now - pending[1] < VICTIM_GRACE_S):
                 await trio.sleep(POLL_MIN_S)
                 continue
-            chosen = victim(procs(), spare)
+            chosen = ready[0] if ready is not None and now - ready[1] < READY_MAX_AGE_S else None
+            if chosen is None or not alive(chosen.pid):  # (else chosen already: no scan now)
+                chosen = victim(procs(), spare)
+            ready = None
             if chosen is not None:
+                label = name(chosen.pid) if chosen.name == "?" else chosen.name
                 try:
                     kill(chosen.pid)
                 except ProcessLookupError:
@@ -208,9 +226,14 @@ async def watch_memory(
                     pending = (chosen.pid, time.monotonic())
                     say(
                         format_kill(
-                            OomKill(chosen.pid, chosen.name, chosen.rss_bytes, total, time.time())
+                            OomKill(chosen.pid, label, chosen.rss_bytes, total, time.time())
                         )
                     )
+        elif total > 0 and free < total * READY_PCT / 100:
+            if ready is None or now - ready[1] >= READY_MAX_AGE_S:
+                ready = (victim(procs(), spare), time.monotonic())
+        else:
+            ready = None
         await trio.sleep(poll_interval(max(free, 0)))
 
 

@@ -145,6 +145,11 @@ class Died:
     died_at: float
     cause: str
     host_oom: bool
+    # its size, for lists that show it (`aenv list --all`)
+    alias: str | None = None
+    cpu_count: int = 0
+    memory_mb: int = 0
+    disk_mb: int = 0
 
     def why(self) -> str:
         when = datetime.datetime.fromtimestamp(self.died_at, datetime.UTC)
@@ -438,6 +443,10 @@ class Node:
             died_at=time.time(),
             cause=cause,
             host_oom=actor.host_oom_killed,
+            alias=actor.template.aliases[0] if actor.template.aliases else None,
+            cpu_count=actor.cpu_count,
+            memory_mb=actor.memory_mb,
+            disk_mb=actor.disk_mb or actor.template.disk_size_mb,
         )
         log.error("sandbox %s %s", actor.sandbox_id, died.why())
         self.m_died.inc(cause="host_oom" if died.host_oom else "exited")
@@ -1109,6 +1118,7 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
         state_root=config.run_dir / "runsc",
         cgroup_parent=prefix,
         memory_headroom_mb=config.memory_headroom_mb,
+        process_limit=config.process_limit_for,
     )
     roots = OverlayRoots()
     live = await reap_leftovers(config, runtime=runtime, roots=roots)

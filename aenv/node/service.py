@@ -40,7 +40,7 @@ from aenv.images.store import PullError
 from aenv.kit import mailbox
 from aenv.kit.asgiforward import ForwardingClient
 from aenv.node.defaults import TemplateFetching
-from aenv.node.node import Node, SandboxNotFound
+from aenv.node.node import Died, Node, SandboxNotFound
 from aenv.node.sandbox import (
     ExtendTimeout,
     GetUsage,
@@ -72,6 +72,10 @@ T = TypeVar("T")
 
 # Lifecycle states (`aenv.proto.lifecycle.State` values) a caller can address.
 ADDRESSABLE = frozenset({"running", "pausing", "paused", "resuming"})
+# The state `list` gives sandboxes whose runtime stopped by itself (a crash, the
+# host's OOM killer) within the last hour: only when asked for by name (E2B's
+# SDKs know only running and paused), never addressable.
+DIED = "died"
 # Those E2B reports as "paused".
 PAUSED = frozenset({"pausing", "paused", "resuming"})
 EVERY_STATE = frozenset(s.value for s in lc.State)
@@ -205,6 +209,8 @@ class SandboxInfo:
     node: str  # the id of the node that runs it (E2B's clientID)
     # the volumes it mounts: {"name", "path"} each
     volume_mounts: tuple[Mapping[str, str], ...] = ()
+    # state "died" only (`DIED`): when and why its runtime stopped by itself
+    died: str | None = None
 
     def to_doc(self) -> dict[str, Any]:
         """All of it as JSON, for another node of the cluster (`from_doc`)."""
@@ -430,11 +436,21 @@ class LocalSandboxService:
     ) -> tuple[SandboxInfo, ...]:
         wanted = ADDRESSABLE if states is None else states
         meta = metadata or {}
-        return tuple(
+        found = [
             _info(a)
             for a in self._node.list()
             if a.state.value in wanted and all(a.metadata.get(k) == v for k, v in meta.items())
-        )
+        ]
+        if DIED in wanted:
+            node = self._node.config.effective_node_id
+            live = {a.sandbox_id for a in self._node.list()}  # (an ID taken again)
+            found.extend(
+                _died_info(d, node)
+                for d in self._node.died_recently()
+                if d.sandbox_id not in live and all(d.metadata.get(k) == v for k, v in meta.items())
+            )
+            found.sort(key=lambda i: (i.started_at, i.sandbox_id))
+        return tuple(found)
 
     async def connect(self, sandbox_id: str, timeout_s: int) -> Connected:
         actor = self._actor(sandbox_id)
@@ -620,6 +636,34 @@ def _info(a: SandboxActor) -> SandboxInfo:
         pause_mode=a.pause_mode,
         node=a.node.config.effective_node_id,
         volume_mounts=tuple({"name": m.name, "path": m.path} for m in a.volume_mounts),
+    )
+
+
+def _died_info(d: Died, node: str) -> SandboxInfo:
+    """A died sandbox as lists show it: state `DIED`, its end when it died."""
+    return SandboxInfo(
+        sandbox_id=d.sandbox_id,
+        template_id=d.template_id,
+        alias=d.alias,
+        state=DIED,
+        metadata=dict(d.metadata),
+        cpu_count=d.cpu_count,
+        memory_mb=d.memory_mb,
+        disk_size_mb=d.disk_mb,
+        started_at=d.started_at,
+        end_at=d.died_at,
+        envd_version=ENVD_VERSION,
+        envd_access_token="",
+        traffic_access_token="",
+        allow_public_traffic=False,
+        allow_internet_access=None,
+        policy=EgressPolicy(),
+        auto_pause=False,
+        auto_resume=False,
+        paused_in_memory=False,
+        pause_mode="full",
+        node=node,
+        died=d.why(),
     )
 
 

@@ -35,7 +35,7 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +55,12 @@ from aenv.runtimes.base import (
 __all__ = ["GVisorCheckpointError", "GVisorError", "GVisorRuntime", "GVisorSandbox"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Host memory per guest task outside the guest's own memory, in MiB: with the
+# ptrace platform each task is a host thread (kernel stack, page tables of its
+# address space's stub) and sentry state. A fork bomb held at 256 processes
+# took ~124 MiB of it here at first and ~300 MiB after a minute of churn
+# (kernel memory and the sentry's own growing); 2 MiB each covers that.
+MIB_PER_PROCESS = 2
 # Where the guest sees SandboxSpec.bundle; equals aenv.storage.bundle.BUNDLE_MOUNT
 # (runtimes may not import storage; a test keeps the two in step).
 BUNDLE_MOUNT = "/opt/aenv"
@@ -246,13 +252,18 @@ class GVisorRuntime:
         net_disconnect_ok: bool | None = None,
         compression: str = "none",
         memory_headroom_mb: int = 256,
+        process_limit: Callable[[int], int] | None = None,
         io_weight: int = 100,
     ) -> None:
         self.runsc = runsc
         # The host's memory limit of a sandbox is its size plus this margin
         # (at least an eighth of the size): the sentry's own memory, and room
-        # for envd's OOM killer to act before the host's kills the sandbox.
+        # for envd's OOM killer to act before the host's kills the sandbox ...
         self.memory_headroom_mb = memory_headroom_mb
+        # ... plus MIB_PER_PROCESS for each process the guest may run
+        # (`process_limit(memory_mb)`): what the runtime holds per guest task
+        # on the host, outside the guest's memory.
+        self.process_limit = process_limit
         # blkio/io weight of every sandbox (where the host's I/O scheduler has one)
         self.io_weight = io_weight
         # of memory images: "none" checkpoints and restores 2-3x faster here
@@ -344,8 +355,11 @@ class GVisorRuntime:
         return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self)
 
     def host_memory_bytes(self, memory_mb: int) -> int:
-        """The host's memory limit of a sandbox of `memory_mb`: its size plus the headroom."""
-        return (memory_mb + max(self.memory_headroom_mb, memory_mb // 8)) * 1024 * 1024
+        """The host's memory limit of a sandbox of `memory_mb`: its size plus the
+        headroom plus the runtime's own memory for as many processes as it may run."""
+        processes = self.process_limit(memory_mb) if self.process_limit is not None else 0
+        headroom = max(self.memory_headroom_mb, memory_mb // 8) + processes * MIB_PER_PROCESS
+        return (memory_mb + headroom) * 1024 * 1024
 
     def _set_host_limits(self, spec: SandboxSpec, cgroups: _Cgroups) -> None:
         """Raise the host's memory limit above the sandbox's size (blocking).

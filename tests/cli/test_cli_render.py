@@ -53,6 +53,22 @@ def test_sandbox_table() -> None:
     assert header.index("TEMPLATE") == row.index("base")
 
 
+def test_sandbox_table_says_why_a_sandbox_died() -> None:
+    listed = {"sandboxID": "abc", "state": "running", "endAt": "2026-01-01T12:05:00Z"}
+    died = {
+        "sandboxID": "def",
+        "state": "died",
+        "endAt": "2026-01-01T11:59:00Z",
+        "reason": "died at 2026-01-01T11:59:00+00:00: the host killed it: out of memory",
+    }
+    header, row_listed, row_died = render.sandboxes_table([listed, died], NOW).splitlines()
+    assert header.split()[-1] == "REASON"
+    assert "died" not in row_listed
+    assert "died" in row_died.split() and row_died.endswith("out of memory")
+    assert " - " in row_died  # it ends no more: no "ENDS"
+    assert "REASON" not in render.sandboxes_table([listed], NOW)
+
+
 def test_times() -> None:
     assert render.ago("2026-01-01T10:00:00Z", NOW) == "2h00m ago"
     assert render.until("2026-01-01T11:00:00Z", NOW) == "now"

@@ -11,6 +11,7 @@ import os
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import trio
@@ -21,8 +22,10 @@ from aenv.envd.guard import (
     Proc,
     free_bytes,
     limit_processes,
+    name_of,
     orphans,
     poll_interval,
+    read_procs,
     read_zombies,
     reap_orphans,
     victim,
@@ -93,6 +96,58 @@ async def test_watch_kills_one_victim_and_waits_for_it(autojump_clock: trio.abc.
     [kill_event] = parse_kills("\n".join(lines))
     assert (kill_event.pid, kill_event.name, kill_event.rss_bytes) == (12, "python3", 520 * MiB)
     assert "python3" in kill_event.describe()
+
+
+async def test_victim_is_ready_before_memory_runs_out(autojump_clock: trio.abc.Clock) -> None:
+    # under a fork bomb a scan of every process is slow: once memory runs low
+    # the victim is chosen in advance, and the kill needs no scan
+    used = {"anon": 100}
+    procs = {1: Proc(1, "?", 40 * MiB), 12: Proc(12, "?", 300 * MiB)}
+    procs.update({pid: Proc(pid, "?", MiB) for pid in range(100, 356)})  # the bomb
+    scans: list[float] = []
+    killed: list[int] = []
+    lines: list[str] = []
+
+    def scan() -> list[Proc]:
+        scans.append(trio.current_time())
+        return list(procs.values())
+
+    def kill(pid: int) -> None:
+        killed.append(pid)
+        del procs[pid]
+        used["anon"] = 230
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: watch_memory(
+                meminfo=lambda: meminfo(512, used["anon"]),
+                procs=scan,
+                kill=kill,
+                alive=lambda pid: pid in procs,
+                report=lines.append,
+                name=lambda pid: {12: "python3"}.get(pid, "bash"),
+            )
+        )
+        await trio.sleep(5)
+        assert scans == []  # plenty free: no scan at all
+        used["anon"] = 420  # less than a quarter free: the victim is chosen
+        await trio.sleep(1)
+        assert scans and killed == []
+        before = len(scans)
+        used["anon"] = 530
+        await trio.sleep(0.1)
+        assert killed == [12]
+        assert len(scans) == before  # the kill used the choice made in advance
+        nursery.cancel_scope.cancel()
+    [kill_event] = parse_kills("\n".join(lines))
+    assert (kill_event.pid, kill_event.name) == (12, "python3")
+
+
+def test_read_procs_gives_resident_sets_and_name_of_names() -> None:
+    me = [p for p in read_procs() if p.pid == os.getpid()]
+    assert me and me[0].rss_bytes > MiB
+    assert name_of(os.getpid()) == Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    assert name_of(1 << 30) == "?"
 
 
 def test_limit_processes_sets_rlimit_nproc_in_the_child() -> None:

@@ -288,6 +288,16 @@ trio.run(main, sys.argv[1:7])
 """
 
 
+def test_host_memory_grows_with_the_process_limit(tmp_path: Path) -> None:
+    # the runtime holds host memory per guest task outside the guest's: a fork
+    # bomb at the limit beside a full guest must still fit under the host's limit
+    rt = GVisorRuntime(state_root=tmp_path, process_limit=lambda memory_mb: memory_mb // 4)
+    MiB = 1 << 20
+    assert rt.host_memory_bytes(512) == (512 + 256 + 128 * gvisor.MIB_PER_PROCESS) * MiB
+    assert rt.host_memory_bytes(4096) == (4096 + 512 + 1024 * gvisor.MIB_PER_PROCESS) * MiB
+    assert GVisorRuntime(state_root=tmp_path).host_memory_bytes(512) == (512 + 256) * MiB
+
+
 async def test_reap_stale_after_node_crash(
     tmp_path: Path, bundle: Path, busybox_lower: Path, netns: Any
 ) -> None:
