@@ -120,7 +120,7 @@ def _bursts(
         time.sleep(settle_s)
         barrier = threading.Barrier(size)
 
-        def create() -> float:
+        def create(barrier: threading.Barrier = barrier) -> float:
             barrier.wait(timeout=60)
             return _one_create(template, node, hits, lock)
 
@@ -220,9 +220,10 @@ def bench_floor(home: Path, work: Path, n: int, template: str) -> dict[str, Seri
     argv, env = envd_command(ENVD_PORT)
     init: Init = (tuple(argv), dict(env))
     try:
-        with floor_network((MAIN_NET, *FORK_NETS)), envd_rootfs(
-            home, template, work / "envd-root"
-        ) as rootfs:
+        with (
+            floor_network((MAIN_NET, *FORK_NETS)),
+            envd_rootfs(home, template, work / "envd-root") as rootfs,
+        ):
             src = f"aenvbench-cr-{tag}"
             floor.reset_guest_address()
             floor.start_detached(src, rootfs, init)
@@ -282,9 +283,7 @@ def table(aenv: dict[str, Series], floor: dict[str, Series]) -> str:
     for label, s in labels:
         qs = [_q(s, q) for q in (50, 95, 99, 100)]
         cells = ["-" if v is None else f"{v:.0f}" for v in qs]
-        ratios = [
-            "-" if v is None or not restore else f"{v / restore:.2f}" for v in (qs[0], qs[2])
-        ]
+        ratios = ["-" if v is None or not restore else f"{v / restore:.2f}" for v in (qs[0], qs[2])]
         rows.append((label, str(len(s.samples)), *cells, *ratios))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
