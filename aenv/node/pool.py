@@ -151,7 +151,10 @@ class Pool:
         held = sum(len(q) for q in self._ready.values()) + sum(self._pending.values())
         budget = held + max(0, self._room())
         if self._meminfo is not None:
-            available, total = self._meminfo()
+            try:
+                available, total = self._meminfo()
+            except (OSError, KeyError, ValueError):  # no MemAvailable: the other bounds only
+                return budget
             budget = min(
                 budget,
                 memory_budget(

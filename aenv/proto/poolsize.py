@@ -7,8 +7,9 @@ pool already holds it, so the pool learns each template's demand and keeps
 that many ready:
 
 - **peak**: the most creates of the template within any `window_s`
-  (a burst of 20 concurrent creates, or 20 in quick succession), decaying
-  with half-life `half_life_s` once demand falls, so the pool shrinks back;
+  (a burst of 20 concurrent creates, or 20 in quick succession), held for
+  `hold_s` (bursts that recur, an episode loop, find it still there), then
+  decaying with half-life `half_life_s`, so the pool shrinks back;
 - **rate**: an exponentially weighted rate of creates (per second, time
   constant `half_life_s`) times how long a refill restore takes: the creates
   that arrive while one member is being restored;
@@ -35,6 +36,7 @@ class PoolLimits:
     max_size: int = 32
     hot_for_s: float = 600.0
     window_s: float = 5.0
+    hold_s: float = 60.0
     half_life_s: float = 120.0
 
 
@@ -115,7 +117,8 @@ class PoolPolicy:
             d.times.popleft()
 
     def _decayed_peak(self, d: _Demand, now: float) -> float:
-        return d.peak * math.pow(0.5, max(0.0, now - d.peak_at) / self.limits.half_life_s)
+        since = max(0.0, now - d.peak_at - self.limits.hold_s)
+        return d.peak * math.pow(0.5, since / self.limits.half_life_s)
 
 
 def allot(wants: Mapping[str, int], budget: int) -> dict[str, int]:
