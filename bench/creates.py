@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import signal
@@ -81,8 +82,15 @@ FLOOR_KEYS = ("restore", "restore_4")
 # -- aenv ----------------------------------------------------------------------------
 
 
+ADOPTED = re.compile(r"adopted from the pool in ([0-9.]+) ms(?: \((.*)\))?")
+# server-side adoption times of pool hits (ms), and their steps as the log names them
+ADOPTIONS: list[float] = []
+ADOPT_STEPS: dict[str, list[float]] = {}
+
+
 def _one_create(template: str, node: NodeProc, hits: list[bool], lock: threading.Lock) -> float:
-    """One `Sandbox.create` (timed), whether it came from the pool, then kill."""
+    """One `Sandbox.create` (timed), whether it came from the pool (and its
+    adoption's server-side time), then kill."""
     from e2b import Sandbox
 
     t0 = time.perf_counter()
@@ -94,8 +102,15 @@ def _one_create(template: str, node: NodeProc, hits: list[bool], lock: threading
             headers={"X-API-Key": node.api_key},
             timeout=30,
         ).json()["logs"]
+        found = [m for e in lines if (m := ADOPTED.search(e["line"]))]
         with lock:
-            hits.append(any("adopted from the pool" in e["line"] for e in lines))
+            hits.append(bool(found))
+            for m in found:
+                ADOPTIONS.append(float(m.group(1)))
+                for step in (m.group(2) or "").removesuffix(" ms").split(", "):
+                    name, _, ms = step.rpartition(" ")
+                    if name:
+                        ADOPT_STEPS.setdefault(name, []).append(float(ms))
     finally:
         with contextlib.suppress(Exception):
             sbx.kill()
@@ -296,6 +311,15 @@ def table(aenv: dict[str, Series], floor: dict[str, Series]) -> str:
         + "; burst p99 <= 150: "
         + ("-" if burst is None else "yes" if burst <= 150 else "no")
     )
+    if ADOPTIONS:
+        steps = ", ".join(
+            f"{name} {percentile(v, 50):.1f}/{percentile(v, 95):.1f}"
+            for name, v in ADOPT_STEPS.items()
+        )
+        lines.append(
+            f"pool adoptions, server side (n={len(ADOPTIONS)}): p50 {percentile(ADOPTIONS, 50):.1f}"
+            f" p95 {percentile(ADOPTIONS, 95):.1f} ms; steps p50/p95: {steps}"
+        )
     for name, res in (("aenv", aenv), ("floor", floor)):
         for key, s in res.items():
             if s.note:
@@ -357,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         "aenv": {k: s.to_json() | {"p99_ms": _q(s, 99), "max_ms": _q(s, 100)}
                  for k, s in aenv.items() if s.samples or s.error},
         "floor": {k: s.to_json() for k, s in floor.items() if s.samples or s.error},
+        "adoptions_ms": ADOPTIONS,
+        "adopt_steps_ms": ADOPT_STEPS,
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"creates-{started.strftime('%Y%m%dT%H%M%SZ')}.json"

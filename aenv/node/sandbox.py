@@ -1254,11 +1254,14 @@ class SandboxActor:
     async def _adopt(self, new: NewSandbox) -> None:
         assert self._running is not None
         t0 = time.perf_counter()
+        marks: list[tuple[str, float]] = []
         if self._frozen:
             await self._running.thaw()
             self._frozen = False
+            marks.append(("thaw", time.perf_counter()))
         if new.policy != self.policy:
             await self._set_network(new.policy)
+            marks.append(("network", time.perf_counter()))
         self.metadata = dict(new.metadata)
         self.env_vars = {**self.template.env_map, **new.env_vars}
         self.allow_internet_access = new.allow_internet_access
@@ -1270,12 +1273,18 @@ class SandboxActor:
         self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
         await self._init_envd(resumed=True)
+        marks.append(("envd", time.perf_counter()))
         self._prior_token = None
         self.started_at = time.time()
         self.lifecycle.step(lc.SetTimeout(trio.current_time(), new.timeout_s))
         self.pooled = self.hidden = False
         await self._journal("running")
-        self._log(f"adopted from the pool in {1000 * (time.perf_counter() - t0):.0f} ms")
+        marks.append(("journal", time.perf_counter()))
+        steps, last = [], t0
+        for name, at in marks:
+            steps.append(f"{name} {1000 * (at - last):.1f}")
+            last = at
+        self._log(f"adopted from the pool in {1000 * (last - t0):.1f} ms ({', '.join(steps)} ms)")
 
     @property
     def slot_index(self) -> int | None:
