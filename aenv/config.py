@@ -128,6 +128,9 @@ class Config:
     pool_size: int = 2
     pool_max: int = 32
     pool_refill_concurrency: int = 2
+    # How fast a template's pool shrinks once its demand falls (AENV_POOL_HALF_LIFE,
+    # seconds): a burst's size is held half this long, then halves every this long.
+    pool_half_life_s: float = 120.0
     # Byte bound on the local chunk cache of image contents (AENV_CACHE_MAX_BYTES).
     cache_max_bytes: int = 32 << 30
     # Object store for durable snapshots (AENV_STORE_URL): file:///dir, s3://bucket/prefix,
@@ -357,6 +360,11 @@ class Config:
             if refills < 1:
                 raise ValueError(f"AENV_POOL_REFILL_CONCURRENCY must be at least 1, not {refills}")
             kw["pool_refill_concurrency"] = refills
+        if env.get("AENV_POOL_HALF_LIFE"):
+            half_life = float(env["AENV_POOL_HALF_LIFE"])
+            if half_life <= 0:
+                raise ValueError(f"AENV_POOL_HALF_LIFE must be positive, not {half_life:g}")
+            kw["pool_half_life_s"] = half_life
         if env.get("AENV_STORE_URL"):
             kw["store_url"] = env["AENV_STORE_URL"].strip()
         if env.get("AENV_SHARE_DEFAULT_TEMPLATES"):

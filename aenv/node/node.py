@@ -260,7 +260,12 @@ class Node:
             self.snapshots,
             self,
             services,
-            limits=PoolLimits(min_size=config.pool_size, max_size=config.pool_max),
+            limits=PoolLimits(
+                min_size=config.pool_size,
+                max_size=config.pool_max,
+                hold_s=config.pool_half_life_s / 2,
+                half_life_s=config.pool_half_life_s,
+            ),
             refill_concurrency=config.pool_refill_concurrency,
             # half the room left under the sandbox limit; what memory allows
             room=lambda: (config.max_sandboxes - len(self._sandboxes)) // 2,
@@ -308,6 +313,13 @@ class Node:
             "Journaled sandboxes that could not be taken back after a node restart",
         )
         self._image_metrics()
+        self.metrics.gauge(
+            "aenv_pool_ready",
+            "Restored sandboxes the pool holds ready, by template snapshot",
+            callback=lambda: [
+                ((("snapshot", k),), float(v)) for k, v in sorted(self.pool.statistics().items())
+            ],
+        )
 
     # -- the host network's watchdog (aenv.runtimes.netns.HostNetwork.guard) -----
 

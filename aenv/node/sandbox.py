@@ -951,7 +951,7 @@ class SandboxActor:
         meta = self.node.meta
         try:
             with trio.CancelScope(shield=True):
-                await meta.run(meta.store.put_sandbox, self.sandbox_id, state, doc, time.time())
+                await meta.put_sandbox(self.sandbox_id, state, doc, time.time())
             self._journaled = state
         except Exception:
             log.exception("journaling sandbox %s (%s) failed", self.sandbox_id, state)

@@ -36,7 +36,7 @@ class PoolLimits:
     max_size: int = 32
     hot_for_s: float = 600.0
     window_s: float = 5.0
-    hold_s: float = 60.0
+    hold_s: float = 60.0  # (the node: half the half-life, AENV_POOL_HALF_LIFE)
     half_life_s: float = 120.0
 
 

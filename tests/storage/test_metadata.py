@@ -6,6 +6,8 @@ import json
 import sqlite3
 from pathlib import Path
 
+import trio
+
 from aenv.storage.metadata import Metadata, MetadataStore
 
 
@@ -99,3 +101,43 @@ def test_the_first_names_of_user_snapshots_come_from_indexes(tmp_path: Path) -> 
     s.put_snapshot("snap-1", None, 5.0, {"names": ["~paused/sb"]})
     assert s.snapshot_names(10) == ["snap-a", "snap-b", "snap-c", "zeta"]
     assert s.snapshot_names(2) == ["snap-a", "snap-b"]
+
+
+async def test_concurrent_sandbox_records_are_committed_together_in_order(
+    tmp_path: Path,
+) -> None:
+    store = MetadataStore(tmp_path / "m.db")
+    batches: list[int] = []
+    put_many = store.put_sandboxes
+
+    def counted(records: list[tuple[str, str, dict[str, object], float]]) -> None:
+        batches.append(len(records))
+        put_many(records)
+
+    store.put_sandboxes = counted  # type: ignore[method-assign]
+    meta = Metadata(store)
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(meta.put_sandbox, f"s{i}", "running", {"n": i}, float(i))
+        # the same sandbox twice: the later record wins
+        nursery.start_soon(meta.put_sandbox, "s0", "frozen", {"n": 100}, 30.0)
+    assert sum(batches) == 21 and len(batches) < 21  # fewer syncs than records
+    assert [store.get_sandbox(f"s{i}") for i in range(1, 20)] == [{"n": i} for i in range(1, 20)]
+    assert store.get_sandbox("s0") == {"n": 100}
+    store.close()
+    # a failing commit fails every caller of its batch, not only the first
+    broken = MetadataStore(tmp_path / "b.db")
+    meta = Metadata(broken)
+    broken.close()
+    failures: list[Exception] = []
+
+    async def put(i: int) -> None:
+        try:
+            await meta.put_sandbox(f"s{i}", "running", {}, 0.0)
+        except Exception as exc:
+            failures.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(put, i)
+    assert len(failures) == 5
