@@ -83,9 +83,20 @@ FLOOR_KEYS = ("restore", "restore_4")
 
 
 ADOPTED = re.compile(r"adopted from the pool in ([0-9.]+) ms(?: \((.*)\))?")
-# server-side adoption times of pool hits (ms), and their steps as the log names them
+STARTED = re.compile(r"running in ([0-9.]+) ms \((.*)\)")
+# server-side times of pool adoptions and of restores (ms), and their steps as
+# the sandbox's log names them
 ADOPTIONS: list[float] = []
 ADOPT_STEPS: dict[str, list[float]] = {}
+RESTORES: list[float] = []
+RESTORE_STEPS: dict[str, list[float]] = {}
+
+
+def _steps(into: dict[str, list[float]], text: str) -> None:
+    for step in text.removesuffix(" ms").split(", "):
+        name, _, ms = step.rpartition(" ")
+        if name:
+            into.setdefault(name, []).append(float(ms))
 
 
 def _one_create(template: str, node: NodeProc, hits: list[bool], lock: threading.Lock) -> float:
@@ -103,14 +114,15 @@ def _one_create(template: str, node: NodeProc, hits: list[bool], lock: threading
             timeout=30,
         ).json()["logs"]
         found = [m for e in lines if (m := ADOPTED.search(e["line"]))]
+        started = [m for e in lines if (m := STARTED.search(e["line"]))]
         with lock:
             hits.append(bool(found))
             for m in found:
                 ADOPTIONS.append(float(m.group(1)))
-                for step in (m.group(2) or "").removesuffix(" ms").split(", "):
-                    name, _, ms = step.rpartition(" ")
-                    if name:
-                        ADOPT_STEPS.setdefault(name, []).append(float(ms))
+                _steps(ADOPT_STEPS, m.group(2) or "")
+            for m in started if not found else []:
+                RESTORES.append(float(m.group(1)))
+                _steps(RESTORE_STEPS, m.group(2))
     finally:
         with contextlib.suppress(Exception):
             sbx.kill()
@@ -205,6 +217,8 @@ def bench_aenv(home: Path, work: Path, args: argparse.Namespace) -> dict[str, Se
         ("pool", extra, pooled),
         ("dry", {**extra, "AENV_POOL_SIZE": "0"}, dry),
     ):
+        if name in args.skip:
+            continue
         print(f"  node {name} ...", flush=True)
         try:
             _with_node(home, work / name, env, measure)
@@ -311,15 +325,19 @@ def table(aenv: dict[str, Series], floor: dict[str, Series]) -> str:
         + "; burst p99 <= 150: "
         + ("-" if burst is None else "yes" if burst <= 150 else "no")
     )
-    if ADOPTIONS:
-        steps = ", ".join(
-            f"{name} {percentile(v, 50):.1f}/{percentile(v, 95):.1f}"
-            for name, v in ADOPT_STEPS.items()
-        )
-        lines.append(
-            f"pool adoptions, server side (n={len(ADOPTIONS)}): p50 {percentile(ADOPTIONS, 50):.1f}"
-            f" p95 {percentile(ADOPTIONS, 95):.1f} ms; steps p50/p95: {steps}"
-        )
+    for what, total, parts in (
+        ("pool adoptions", ADOPTIONS, ADOPT_STEPS),
+        ("restores (pool missed or dry)", RESTORES, RESTORE_STEPS),
+    ):
+        if total:
+            steps = ", ".join(
+                f"{name} {percentile(v, 50):.1f}/{percentile(v, 95):.1f}"
+                for name, v in parts.items()
+            )
+            lines.append(
+                f"{what}, server side (n={len(total)}): p50 {percentile(total, 50):.1f}"
+                f" p95 {percentile(total, 95):.1f} ms; steps p50/p95: {steps}"
+            )
     for name, res in (("aenv", aenv), ("floor", floor)):
         for key, s in res.items():
             if s.note:
@@ -339,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the nodes")
     p.add_argument("--skip-floor", action="store_true")
     p.add_argument("--skip-aenv", action="store_true")
+    p.add_argument("--skip", action="append", default=[], choices=("pool", "dry"),
+                   help="leave out that node")  # fmt: skip
     p.add_argument("--home", type=Path)
     args = p.parse_args(argv)
     if os.geteuid() != 0:
@@ -383,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         "floor": {k: s.to_json() for k, s in floor.items() if s.samples or s.error},
         "adoptions_ms": ADOPTIONS,
         "adopt_steps_ms": ADOPT_STEPS,
+        "restores_ms": RESTORES,
+        "restore_steps_ms": RESTORE_STEPS,
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"creates-{started.strftime('%Y%m%dT%H%M%SZ')}.json"

@@ -262,6 +262,22 @@ def disk_mb_of(template: Template, node_default: int) -> int:
     return template.sandbox_disk_mb or node_default
 
 
+class _Steps:
+    """Durations of the named steps of a start, for its log line."""
+
+    def __init__(self) -> None:
+        self._t0 = self._last = time.perf_counter()
+        self._steps: list[str] = []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._steps.append(f"{name} {1000 * (now - self._last):.1f}")
+        self._last = now
+
+    def __str__(self) -> str:
+        return f"{1000 * (self._last - self._t0):.1f} ms ({', '.join(self._steps)} ms)"
+
+
 class SandboxActor:
     def __init__(
         self, node: SandboxHost, sandbox_id: str, template: Template, req: NewSandbox
@@ -483,6 +499,7 @@ class SandboxActor:
         self._period = int(adoption["period"]) if adoption else self._period + 1
         disk = self.workdir / f"disk{self._period}"
         self._upper, self._live = disk / "upper", None
+        steps = _Steps()  # where a create's time goes (logged with "running")
         async with AsyncExitStack() as period:
             try:
                 root = await period.enter_async_context(
@@ -496,6 +513,7 @@ class SandboxActor:
                         carried_bytes=sum(layer.size_bytes for layer in self.stack.layers),
                     )
                 )
+                steps.mark("root")
                 slot = await period.enter_async_context(
                     host.network.adopt_slot(int(adoption["slot"]))
                     if adoption
@@ -503,6 +521,7 @@ class SandboxActor:
                 )
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
+                steps.mark("slot")
                 argv, env = envd_command(ENVD_PORT)
                 binds = [
                     (await node.volumes.host_path(m.volume_id), m.path) for m in self.volume_mounts
@@ -531,9 +550,11 @@ class SandboxActor:
                     opener = host.runtime.open_restored(spec, image)
                 self._runtime_stack = await period.enter_async_context(AsyncExitStack())
                 self._running = await self._runtime_stack.enter_async_context(opener)
+                steps.mark("runtime")
                 if not adoption:
                     crash_point("create.started" if first else "resume.restored")
                     await self._init_envd(resumed=image is not None)
+                    steps.mark("envd")
                 self._prior_token = None
             except Exception as exc:
                 if first:
@@ -560,8 +581,9 @@ class SandboxActor:
                     await self._freeze_for_pause(frozen_already=True)
             elif first:
                 self.lifecycle.step(lc.Ready(trio.current_time(), self._timeout_s))
-                self._log("running")
                 await self._journal("running")
+                steps.mark("journal")
+                self._log(f"running in {steps}")
                 crash_point("create.journaled")
                 task_status.started(self)
             else:
