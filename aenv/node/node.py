@@ -728,6 +728,7 @@ class Node:
                         return await pooled.adopt(req)
                     except Exception as exc:
                         log.warning("adopting pooled sandbox %s failed: %r", pooled.sandbox_id, exc)
+                        await pooled.stop()  # (its journal record, if any, goes with it)
                     finally:
                         self.pool.replenish(template)
                 try:

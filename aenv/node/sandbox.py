@@ -23,6 +23,7 @@ import secrets
 import shutil
 import ssl
 import time
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ import trio
 
 from aenv.config import Config
 from aenv.kit.asgiforward import ForwardingClient
+from aenv.kit.errors import one_error
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree, link_files
 from aenv.kit.mailbox import Mailbox, Request
@@ -269,10 +271,18 @@ class _Steps:
         self._t0 = self._last = time.perf_counter()
         self._steps: list[str] = []
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str | None = None) -> None:
+        """The step `name` ends now (None: the steps since the last mark were `timed`)."""
         now = time.perf_counter()
-        self._steps.append(f"{name} {1000 * (now - self._last):.1f}")
+        if name is not None:
+            self._steps.append(f"{name} {1000 * (now - self._last):.1f}")
         self._last = now
+
+    async def timed(self, name: str, step: Awaitable[object]) -> None:
+        """Await `step`, noting its duration (steps run at once are noted so)."""
+        t0 = time.perf_counter()
+        await step
+        self._steps.append(f"{name} {1000 * (time.perf_counter() - t0):.1f}")
 
     def __str__(self) -> str:
         return f"{1000 * (self._last - self._t0):.1f} ms ({', '.join(self._steps)} ms)"
@@ -1281,15 +1291,14 @@ class SandboxActor:
 
     async def _adopt(self, new: NewSandbox) -> None:
         assert self._running is not None
-        t0 = time.perf_counter()
-        marks: list[tuple[str, float]] = []
+        steps = _Steps()
         if self._frozen:
             await self._running.thaw()
             self._frozen = False
-            marks.append(("thaw", time.perf_counter()))
+            steps.mark("thaw")
         if new.policy != self.policy:
             await self._set_network(new.policy)
-            marks.append(("network", time.perf_counter()))
+            steps.mark("network")
         self.metadata = dict(new.metadata)
         self.env_vars = {**self.template.env_map, **new.env_vars}
         self.allow_internet_access = new.allow_internet_access
@@ -1300,19 +1309,19 @@ class SandboxActor:
         self._prior_token = self.envd_access_token
         self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
-        await self._init_envd(resumed=True, answered=True)
-        marks.append(("envd", time.perf_counter()))
-        self._prior_token = None
         self.started_at = time.time()
         self.lifecycle.step(lc.SetTimeout(trio.current_time(), new.timeout_s))
-        self.pooled = self.hidden = False
-        await self._journal("running")
-        marks.append(("journal", time.perf_counter()))
-        steps, last = [], t0
-        for name, at in marks:
-            steps.append(f"{name} {1000 * (at - last):.1f}")
-            last = at
-        self._log(f"adopted from the pool in {1000 * (last - t0):.1f} ms ({', '.join(steps)} ms)")
+        # envd's /init and the journal record at once; both are done before the
+        # create returns (one that fails is stopped by the node, its record removed)
+        self.hidden = False
+        with one_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(steps.timed, "journal", self._journal("running"))
+                await steps.timed("envd", self._init_envd(resumed=True, answered=True))
+        steps.mark()
+        self._prior_token = None
+        self.pooled = False
+        self._log(f"adopted from the pool in {steps}")
 
     @property
     def slot_index(self) -> int | None:

@@ -22,7 +22,7 @@ from aenv.node.pool import QUIET_MAX_S
 from aenv.node.snapshots import snapshot_name
 from aenv.storage.templates import Template
 from tests.fakes.host import FakeHost
-from tests.fakes.node import TEMPLATE, AutoJump, create, node_config, open_test_node
+from tests.fakes.node import TEMPLATE, AutoJump, create, new, node_config, open_test_node
 
 pytestmark = pytest.mark.timeout(60)
 MIB = 1 << 20
@@ -98,3 +98,36 @@ async def test_refills_wait_for_the_creates_in_flight(
         await autojump.until(lambda: _ready(node, template) == 2)
         first = fake.runtime.ops("restore")[before].at
         assert start + QUIET_MAX_S / 2 <= first < start + QUIET_MAX_S
+
+
+async def test_a_member_adopts_the_create_whole_and_one_that_fails_is_stopped(
+    clock: trio.testing.MockClock, autojump: AutoJump, tmp_path: Path, fake: FakeHost
+) -> None:
+    async with open_test_node(node_config(tmp_path, pool_size=2), fake) as node:
+        template = await _hot_template(node)
+        node.pool.take(template)
+        node.pool.take(template)
+        await autojump.until(lambda: _ready(node, template) == 2)
+        member = node.pool.take(template)
+        assert member is not None and member.hidden
+        pool_token = member.envd_access_token
+        got = await member.adopt(new(600, metadata={"who": "me"}, env_vars={"WHO": "me"}))
+        assert got is member and not member.hidden and not member.pooled
+        assert member.metadata == {"who": "me"} and member.env_vars["WHO"] == "me"
+        assert member.envd_access_token != pool_token
+        init = fake.envd.inits[-1]  # envd got the new token, asked with the pool's
+        assert init.body["accessToken"] == member.envd_access_token
+        assert init.body["envVars"]["WHO"] == "me" and init.token == pool_token
+        record = node.meta.store.get_sandbox(member.sandbox_id)
+        assert record is not None and record["state"] == "running"
+        assert [a.sandbox_id for a in node.list()] == [member.sandbox_id]
+        # envd refuses the next member's /init: that create restores instead, and
+        # the member is stopped, its record gone
+        other = node.pool.take(template)
+        assert other is not None
+        fake.envd.faults.fail_next("init")
+        with pytest.raises(Exception, match="init"):
+            await other.adopt(new(600))
+        await other.stop()
+        assert node.meta.store.get_sandbox(other.sandbox_id) is None
+        assert [a.sandbox_id for a in node.list()] == [member.sandbox_id]
