@@ -116,11 +116,15 @@ async def test_concurrent_sandbox_records_are_committed_together_in_order(
 
     store.put_sandboxes = counted  # type: ignore[method-assign]
     meta = Metadata(store)
+
+    async def twice() -> None:  # one sandbox's records, one after the other: the later wins
+        await meta.put_sandbox("s0", "running", {"n": 0}, 0.0)
+        await meta.put_sandbox("s0", "frozen", {"n": 100}, 30.0)
+
     async with trio.open_nursery() as nursery:
-        for i in range(20):
+        nursery.start_soon(twice)
+        for i in range(1, 20):
             nursery.start_soon(meta.put_sandbox, f"s{i}", "running", {"n": i}, float(i))
-        # the same sandbox twice: the later record wins
-        nursery.start_soon(meta.put_sandbox, "s0", "frozen", {"n": 100}, 30.0)
     assert sum(batches) == 21 and len(batches) < 21  # fewer syncs than records
     assert [store.get_sandbox(f"s{i}") for i in range(1, 20)] == [{"n": i} for i in range(1, 20)]
     assert store.get_sandbox("s0") == {"n": 100}
