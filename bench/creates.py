@@ -8,7 +8,9 @@ snapshot, the pool learns it is hot) it times, through the real SDK:
 
 - **sequential**: `Sandbox.create` back to back (each killed before the next),
 - **burst**: `--bursts` times, `--burst` creates at once from as many threads
-  (p50/p99/max over every create of every burst), `--settle` seconds apart,
+  (p50/p99/max over every create of every burst, and over the bursts after
+  the first: the pool has learnt the burst's size by then), `--settle`
+  seconds apart,
 - **dry**: creates while the pool is empty: a node with `AENV_POOL_SIZE=0`
   (every create restores the template's snapshot, the path a create takes
   once the pool ran dry).
@@ -75,7 +77,7 @@ from bench.run import (  # noqa: E402
 from tests.conftest import NodeProc, leaks, link_home, start_node, stop_node  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-KEYS = ("sequential", "burst", "dry")
+KEYS = ("sequential", "burst", "burst_later", "dry")
 FLOOR_KEYS = ("restore", "restore_4")
 
 
@@ -138,8 +140,16 @@ def _sequential(node: NodeProc, template: str, n: int, series: Series) -> None:
 
 
 def _bursts(
-    node: NodeProc, template: str, size: int, count: int, settle_s: float, series: Series
+    node: NodeProc,
+    template: str,
+    size: int,
+    count: int,
+    settle_s: float,
+    series: Series,
+    later: Series,
 ) -> None:
+    """`count` bursts into `series`; those after the first (the pool sized by then) also
+    into `later`."""
     hits: list[bool] = []
     lock = threading.Lock()
     per_burst: list[str] = []
@@ -156,6 +166,8 @@ def _bursts(
             futures = [ex.submit(create) for _ in range(size)]
             took = [f.result(timeout=600) for f in futures]
         series.samples += took
+        if b:
+            later.samples += took
         per_burst.append(
             f"burst {b + 1}: max {max(took):.0f} ms, {sum(hits[before:])}/{size} from the pool"
         )
@@ -201,7 +213,8 @@ def bench_aenv(home: Path, work: Path, args: argparse.Namespace) -> dict[str, Se
         except Exception as e:
             results["sequential"].error = _describe(e)
         try:
-            _bursts(node, args.template, args.burst, args.bursts, args.settle, results["burst"])
+            _bursts(node, args.template, args.burst, args.bursts, args.settle,
+                    results["burst"], results["burst_later"])  # fmt: skip
         except Exception as e:
             results["burst"].error = _describe(e)
 
@@ -305,6 +318,7 @@ def table(aenv: dict[str, Series], floor: dict[str, Series]) -> str:
     labels = (
         ("aenv create, sequential (pool)", aenv["sequential"]),
         ("aenv create, burst of concurrent", aenv["burst"]),
+        ("  bursts after the first", aenv["burst_later"]),
         ("aenv create, pool dry (restore)", aenv["dry"]),
         ("floor runsc restore", floor["restore"]),
         ("floor 4 concurrent runsc restore", floor["restore_4"]),
@@ -318,11 +332,11 @@ def table(aenv: dict[str, Series], floor: dict[str, Series]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
-    burst, seq = _q(aenv["burst"], 99), _q(aenv["sequential"], 50)
+    burst, seq = _q(aenv["burst_later"], 99), _q(aenv["sequential"], 50)
     lines.append(
         "(ms) targets: sequential p50 <= 50: "
         + ("-" if seq is None else "yes" if seq <= 50 else "no")
-        + "; burst p99 <= 150: "
+        + "; burst p99 (after the first) <= 150: "
         + ("-" if burst is None else "yes" if burst <= 150 else "no")
     )
     for what, total, parts in (
