@@ -994,7 +994,7 @@ class SandboxActor:
         meta = self.node.meta
         with trio.CancelScope(shield=True):
             try:
-                await meta.run(meta.store.delete_sandbox, self.sandbox_id)
+                await meta.delete_sandbox(self.sandbox_id)
             except Exception:
                 log.exception("removing the record of sandbox %s failed", self.sandbox_id)
 

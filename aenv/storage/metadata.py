@@ -48,6 +48,8 @@ CREATE INDEX IF NOT EXISTS snapshots_uploading ON snapshots(created_at)
 """
 
 Doc = dict[str, Any]
+# a sandbox record to write: (id, state, doc, now); state None deletes it
+SandboxWrite = tuple[str, str | None, Doc | None, float]
 
 
 class MetadataStore:
@@ -113,18 +115,22 @@ class MetadataStore:
             (sandbox_id, state, now, json.dumps(doc, sort_keys=True)),
         )
 
-    def put_sandboxes(self, records: list[tuple[str, str, Doc, float]]) -> None:
-        """`put_sandbox` of each of `records` (id, state, doc, now), in order, in one
-        transaction: one sync to disk for all of them."""
+    def write_sandboxes(self, records: list[SandboxWrite]) -> None:
+        """Each of `records` in order, in one transaction (one sync to disk for all):
+        (id, state, doc, now) is a `put_sandbox`, (id, None, None, 0) a `delete_sandbox`."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.executemany(
-                    "INSERT INTO sandboxes(id, state, updated_at, doc) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
-                    "updated_at=excluded.updated_at, doc=excluded.doc",
-                    [(i, st, now, json.dumps(doc, sort_keys=True)) for i, st, doc, now in records],
-                )
+                for sandbox_id, state, doc, now in records:
+                    if state is None:
+                        self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+                        continue
+                    self._db.execute(
+                        "INSERT INTO sandboxes(id, state, updated_at, doc) VALUES (?, ?, ?, ?) "
+                        "ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
+                        "updated_at=excluded.updated_at, doc=excluded.doc",
+                        (sandbox_id, state, now, json.dumps(doc, sort_keys=True)),
+                    )
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -228,7 +234,7 @@ class MetadataStore:
 
 @dataclass
 class _Put:
-    record: tuple[str, str, Doc, float]
+    record: SandboxWrite
     done: bool = False
     error: Exception | None = None
 
@@ -249,13 +255,20 @@ class Metadata:
         """`MetadataStore.put_sandbox`, committed when this returns; the records of
         concurrent callers are committed together (group commit: 20 creates at once
         wait for one sync to disk, not for 20 in a row)."""
-        put = _Put((sandbox_id, state, doc, now))
+        await self._write_sandbox((sandbox_id, state, doc, now))
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        """`MetadataStore.delete_sandbox`, committed with concurrent writes (`put_sandbox`)."""
+        await self._write_sandbox((sandbox_id, None, None, 0.0))
+
+    async def _write_sandbox(self, record: SandboxWrite) -> None:
+        put = _Put(record)
         self._puts.append(put)
         async with self._put_lock:
             if not put.done:  # the first waiter writes what every waiter queued
                 batch, self._puts = self._puts, []
                 try:
-                    await self.run(self.store.put_sandboxes, [p.record for p in batch])
+                    await self.run(self.store.write_sandboxes, [p.record for p in batch])
                 except Exception as exc:
                     for p in batch:
                         p.error = exc

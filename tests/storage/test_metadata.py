@@ -8,7 +8,7 @@ from pathlib import Path
 
 import trio
 
-from aenv.storage.metadata import Metadata, MetadataStore
+from aenv.storage.metadata import Metadata, MetadataStore, SandboxWrite
 
 
 def test_sandbox_records_round_trip_and_survive_reopen(tmp_path: Path) -> None:
@@ -108,24 +108,30 @@ async def test_concurrent_sandbox_records_are_committed_together_in_order(
 ) -> None:
     store = MetadataStore(tmp_path / "m.db")
     batches: list[int] = []
-    put_many = store.put_sandboxes
+    write_many = store.write_sandboxes
 
-    def counted(records: list[tuple[str, str, dict[str, object], float]]) -> None:
+    def counted(records: list[SandboxWrite]) -> None:
         batches.append(len(records))
-        put_many(records)
+        write_many(records)
 
-    store.put_sandboxes = counted  # type: ignore[method-assign]
+    store.write_sandboxes = counted  # type: ignore[method-assign]
     meta = Metadata(store)
 
     async def twice() -> None:  # one sandbox's records, one after the other: the later wins
         await meta.put_sandbox("s0", "running", {"n": 0}, 0.0)
         await meta.put_sandbox("s0", "frozen", {"n": 100}, 30.0)
 
+    async def gone() -> None:  # a record deleted right after it was written
+        await meta.put_sandbox("s20", "running", {"n": 20}, 0.0)
+        await meta.delete_sandbox("s20")
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(twice)
+        nursery.start_soon(gone)
         for i in range(1, 20):
             nursery.start_soon(meta.put_sandbox, f"s{i}", "running", {"n": i}, float(i))
-    assert sum(batches) == 21 and len(batches) < 21  # fewer syncs than records
+    assert sum(batches) == 23 and len(batches) < 23  # fewer syncs than records
+    assert store.get_sandbox("s20") is None
     assert [store.get_sandbox(f"s{i}") for i in range(1, 20)] == [{"n": i} for i in range(1, 20)]
     assert store.get_sandbox("s0") == {"n": 100}
     store.close()
