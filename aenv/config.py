@@ -124,8 +124,16 @@ class Config:
     # running ones running (and writes paused ones to disk) for the next node
     # process to take back, as containerd leaves containers; "stop" stops them.
     on_stop: str = "keep"
-    # Restored sandboxes kept ready per recently used template (0: no pool).
+    # Restored sandboxes kept ready per recently used template: at least this
+    # many while it is hot (AENV_POOL_SIZE; 0: no pool), more as its demand asks
+    # (aenv.proto.poolsize), at most AENV_POOL_MAX; at most
+    # AENV_POOL_REFILL_CONCURRENCY refill restores at once across templates.
     pool_size: int = 2
+    pool_max: int = 32
+    pool_refill_concurrency: int = 2
+    # How fast a template's pool shrinks once its demand falls (AENV_POOL_HALF_LIFE,
+    # seconds): a burst's size is held half this long, then halves every this long.
+    pool_half_life_s: float = 120.0
     # Byte bound on the local chunk cache of image contents (AENV_CACHE_MAX_BYTES).
     cache_max_bytes: int = 32 << 30
     # Object store for durable snapshots (AENV_STORE_URL): file:///dir, s3://bucket/prefix,
@@ -353,6 +361,18 @@ class Config:
             kw["sandbox_disk_mb"] = disk
         if env.get("AENV_POOL_SIZE"):
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
+        if env.get("AENV_POOL_MAX"):
+            kw["pool_max"] = int(env["AENV_POOL_MAX"])
+        if env.get("AENV_POOL_REFILL_CONCURRENCY"):
+            refills = int(env["AENV_POOL_REFILL_CONCURRENCY"])
+            if refills < 1:
+                raise ValueError(f"AENV_POOL_REFILL_CONCURRENCY must be at least 1, not {refills}")
+            kw["pool_refill_concurrency"] = refills
+        if env.get("AENV_POOL_HALF_LIFE"):
+            half_life = float(env["AENV_POOL_HALF_LIFE"])
+            if half_life <= 0:
+                raise ValueError(f"AENV_POOL_HALF_LIFE must be positive, not {half_life:g}")
+            kw["pool_half_life_s"] = half_life
         if env.get("AENV_STORE_URL"):
             kw["store_url"] = env["AENV_STORE_URL"].strip()
         if env.get("AENV_SHARE_DEFAULT_TEMPLATES"):

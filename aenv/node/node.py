@@ -95,6 +95,7 @@ from aenv.proto.identity import TokenSpec
 from aenv.proto.ids import InvalidName
 from aenv.proto.imageref import InvalidReference, parse_reference
 from aenv.proto.netpolicy import EgressPolicy
+from aenv.proto.poolsize import PoolLimits
 from aenv.proto.requests import Limits, NewSandbox
 from aenv.proto.volumes import VolumeMount
 from aenv.runtimes.base import Runtime
@@ -260,7 +261,22 @@ class Node:
             config=config, templates=templates, store=self.durable.store, services=services
         )
         self.warmer = Warmer(self.snapshots, self, services, enabled=config.warm_templates)
-        self.pool = Pool(self.snapshots, self, services, size=config.pool_size)
+        self.pool = Pool(
+            self.snapshots,
+            self,
+            services,
+            limits=PoolLimits(
+                min_size=config.pool_size,
+                max_size=config.pool_max,
+                hold_s=config.pool_half_life_s / 2,
+                half_life_s=config.pool_half_life_s,
+            ),
+            refill_concurrency=config.pool_refill_concurrency,
+            # half the room left under the sandbox limit; what memory allows
+            room=lambda: (config.max_sandboxes - len(self._sandboxes)) // 2,
+            meminfo=host.meminfo,
+            memory_low_pct=config.hibernate_memory_low_pct,
+        )
         self._verified: set[str] = set()  # snapshots whose images were checked
         self.metrics = Registry()
         self.m_created = self.metrics.counter("aenv_sandboxes_created_total", "Sandboxes created")
@@ -302,6 +318,13 @@ class Node:
             "Journaled sandboxes that could not be taken back after a node restart",
         )
         self._image_metrics()
+        self.metrics.gauge(
+            "aenv_pool_ready",
+            "Restored sandboxes the pool holds ready, by template snapshot",
+            callback=lambda: [
+                ((("snapshot", k),), float(v)) for k, v in sorted(self.pool.statistics().items())
+            ],
+        )
 
     # -- the host network's watchdog (aenv.runtimes.netns.HostNetwork.guard) -----
 
@@ -707,19 +730,21 @@ class Node:
             warm = await self.warmer.ready_snapshot(template)
         if warm is not None:  # the template as a snapshot: restore, do not boot
             # (a pooled sandbox runs already: it cannot gain mounts)
-            pooled = None if req.volume_mounts else self.pool.take(template)
-            if pooled is not None:
+            with self.pool.serving():  # the pool's refills wait for it
+                pooled = None if req.volume_mounts else self.pool.take(template)
+                if pooled is not None:
+                    try:
+                        return await pooled.adopt(req)
+                    except Exception as exc:
+                        log.warning("adopting pooled sandbox %s failed: %r", pooled.sandbox_id, exc)
+                        await pooled.stop()  # (its journal record, if any, goes with it)
+                    finally:
+                        self.pool.replenish(template)
                 try:
-                    return await pooled.adopt(req)
-                except Exception as exc:
-                    log.warning("adopting pooled sandbox %s failed: %r", pooled.sandbox_id, exc)
-                finally:
-                    self.pool.replenish(template)
-            try:
-                return await self.create_from_snapshot(warm, req, template=template)
-            except CorruptSnapshot as exc:
-                log.warning("template %s snapshot unusable (%s)", template.template_id, exc)
-                await self.snapshots.delete(str(warm["snapshotID"]))
+                    return await self.create_from_snapshot(warm, req, template=template)
+                except CorruptSnapshot as exc:
+                    log.warning("template %s snapshot unusable (%s)", template.template_id, exc)
+                    await self.snapshots.delete(str(warm["snapshotID"]))
         self._check_capacity()
         sandbox_id = ids.new_sandbox_id(self.config.effective_node_tag)
         actor = await self._launch(SandboxActor(self, sandbox_id, template, req))

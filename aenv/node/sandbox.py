@@ -23,6 +23,7 @@ import secrets
 import shutil
 import ssl
 import time
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ import trio
 
 from aenv.config import Config
 from aenv.kit.asgiforward import ForwardingClient
+from aenv.kit.errors import one_error
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree, link_files
 from aenv.kit.mailbox import Mailbox, Request
@@ -262,6 +264,30 @@ def disk_mb_of(template: Template, node_default: int) -> int:
     return template.sandbox_disk_mb or node_default
 
 
+class _Steps:
+    """Durations of the named steps of a start, for its log line."""
+
+    def __init__(self) -> None:
+        self._t0 = self._last = time.perf_counter()
+        self._steps: list[str] = []
+
+    def mark(self, name: str | None = None) -> None:
+        """The step `name` ends now (None: the steps since the last mark were `timed`)."""
+        now = time.perf_counter()
+        if name is not None:
+            self._steps.append(f"{name} {1000 * (now - self._last):.1f}")
+        self._last = now
+
+    async def timed(self, name: str, step: Awaitable[object]) -> None:
+        """Await `step`, noting its duration (steps run at once are noted so)."""
+        t0 = time.perf_counter()
+        await step
+        self._steps.append(f"{name} {1000 * (time.perf_counter() - t0):.1f}")
+
+    def __str__(self) -> str:
+        return f"{1000 * (self._last - self._t0):.1f} ms ({', '.join(self._steps)} ms)"
+
+
 class SandboxActor:
     def __init__(
         self, node: SandboxHost, sandbox_id: str, template: Template, req: NewSandbox
@@ -483,6 +509,7 @@ class SandboxActor:
         self._period = int(adoption["period"]) if adoption else self._period + 1
         disk = self.workdir / f"disk{self._period}"
         self._upper, self._live = disk / "upper", None
+        steps = _Steps()  # where a create's time goes (logged with "running")
         async with AsyncExitStack() as period:
             try:
                 root = await period.enter_async_context(
@@ -496,6 +523,7 @@ class SandboxActor:
                         carried_bytes=sum(layer.size_bytes for layer in self.stack.layers),
                     )
                 )
+                steps.mark("root")
                 slot = await period.enter_async_context(
                     host.network.adopt_slot(int(adoption["slot"]))
                     if adoption
@@ -503,6 +531,7 @@ class SandboxActor:
                 )
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
+                steps.mark("slot")
                 argv, env = envd_command(ENVD_PORT)
                 binds = [
                     (await node.volumes.host_path(m.volume_id), m.path) for m in self.volume_mounts
@@ -531,9 +560,11 @@ class SandboxActor:
                     opener = host.runtime.open_restored(spec, image)
                 self._runtime_stack = await period.enter_async_context(AsyncExitStack())
                 self._running = await self._runtime_stack.enter_async_context(opener)
+                steps.mark("runtime")
                 if not adoption:
                     crash_point("create.started" if first else "resume.restored")
                     await self._init_envd(resumed=image is not None)
+                    steps.mark("envd")
                 self._prior_token = None
             except Exception as exc:
                 if first:
@@ -560,8 +591,9 @@ class SandboxActor:
                     await self._freeze_for_pause(frozen_already=True)
             elif first:
                 self.lifecycle.step(lc.Ready(trio.current_time(), self._timeout_s))
-                self._log("running")
                 await self._journal("running")
+                steps.mark("journal")
+                self._log(f"running in {steps}")
                 crash_point("create.journaled")
                 task_status.started(self)
             else:
@@ -951,7 +983,7 @@ class SandboxActor:
         meta = self.node.meta
         try:
             with trio.CancelScope(shield=True):
-                await meta.run(meta.store.put_sandbox, self.sandbox_id, state, doc, time.time())
+                await meta.put_sandbox(self.sandbox_id, state, doc, time.time())
             self._journaled = state
         except Exception:
             log.exception("journaling sandbox %s (%s) failed", self.sandbox_id, state)
@@ -962,7 +994,7 @@ class SandboxActor:
         meta = self.node.meta
         with trio.CancelScope(shield=True):
             try:
-                await meta.run(meta.store.delete_sandbox, self.sandbox_id)
+                await meta.delete_sandbox(self.sandbox_id)
             except Exception:
                 log.exception("removing the record of sandbox %s failed", self.sandbox_id)
 
@@ -1083,14 +1115,20 @@ class SandboxActor:
         child._prior_token = parent.envd_access_token
         return child
 
-    async def _init_envd(self, *, resumed: bool = False) -> None:
+    async def _init_envd(self, *, resumed: bool = False, answered: bool = False) -> None:
+        """Hand envd its environment and token; first wait until it answers,
+        unless it `answered` already in this running period (a pool member:
+        one round trip less per create)."""
         address, client, envd = self.sandbox_ip, self.http, self.node.host.envd
         assert address is not None and client is not None
-        with trio.move_on_after(ENVD_READY_TIMEOUT_S) as scope:
-            await envd.wait_ready(client, address)
-        if scope.cancelled_caught:
-            tail = "\n".join(self.console_tail(20))
-            raise EnvdUnavailable(f"envd did not start within {ENVD_READY_TIMEOUT_S:g}s: {tail}")
+        if not answered:
+            with trio.move_on_after(ENVD_READY_TIMEOUT_S) as scope:
+                await envd.wait_ready(client, address)
+            if scope.cancelled_caught:
+                tail = "\n".join(self.console_tail(20))
+                raise EnvdUnavailable(
+                    f"envd did not start within {ENVD_READY_TIMEOUT_S:g}s: {tail}"
+                )
         body: dict[str, Any] = {
             "envVars": self.env_vars,
             "accessToken": self.envd_access_token,
@@ -1258,12 +1296,14 @@ class SandboxActor:
 
     async def _adopt(self, new: NewSandbox) -> None:
         assert self._running is not None
-        t0 = time.perf_counter()
+        steps = _Steps()
         if self._frozen:
             await self._running.thaw()
             self._frozen = False
+            steps.mark("thaw")
         if new.policy != self.policy:
             await self._set_network(new.policy)
+            steps.mark("network")
         self.metadata = dict(new.metadata)
         self.env_vars = {**self.template.env_map, **new.env_vars}
         self.allow_internet_access = new.allow_internet_access
@@ -1274,13 +1314,19 @@ class SandboxActor:
         self._prior_token = self.envd_access_token
         self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
-        await self._init_envd(resumed=True)
-        self._prior_token = None
         self.started_at = time.time()
         self.lifecycle.step(lc.SetTimeout(trio.current_time(), new.timeout_s))
-        self.pooled = self.hidden = False
-        await self._journal("running")
-        self._log(f"adopted from the pool in {1000 * (time.perf_counter() - t0):.0f} ms")
+        # envd's /init and the journal record at once; both are done before the
+        # create returns (one that fails is stopped by the node, its record removed)
+        self.hidden = False
+        with one_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(steps.timed, "journal", self._journal("running"))
+                await steps.timed("envd", self._init_envd(resumed=True, answered=True))
+        steps.mark()
+        self._prior_token = None
+        self.pooled = False
+        self._log(f"adopted from the pool in {steps}")
 
     @property
     def slot_index(self) -> int | None:

@@ -15,7 +15,8 @@ state lives under `state_root`, shared by all sandboxes of the node, so
 
 Memory snapshots: `GVisorSandbox.checkpoint` runs `runsc checkpoint` (in the
 same private mount namespace, which `--leave-running` needs as it restarts
-the container), `freeze`/`thaw` are `runsc pause`/`resume`, and
+the container), `freeze`/`thaw` are the cgroup freezer (v2 or v1; `runsc
+pause`/`resume` where there is none), and
 `GVisorRuntime.open_restored` starts a sandbox with `runsc restore --detach`
 from a bundle written for the new spec: the restored kernel takes the new
 netns' interfaces and reopens its files by path under the new root, which
@@ -181,7 +182,7 @@ class GVisorSandbox:
     async def freeze(self) -> None:
         """Stop every process of the sandbox; memory stays.
 
-        The cgroup v2 freezer (one write, no process to start) where the
+        The cgroup freezer, v2 or v1 (one write, no process to start) where the
         sandbox has its own cgroup, else `runsc pause`.
         """
         if self._runsc_paused:
@@ -446,6 +447,10 @@ class GVisorRuntime:
         """The stop ladder: runsc kill, wait; SIGKILL, wait; runsc delete; clean up."""
         pidfds = await trio.to_thread.run_sync(self._state_pidfds, sandbox_id)
         try:
+            # frozen: thaw first (runsc kill asks the frozen sentry; under the v1
+            # freezer a SIGKILL of a frozen process waits for the thaw)
+            if await trio.to_thread.run_sync(cgroups.is_frozen):
+                await trio.to_thread.run_sync(cgroups.set_frozen, False)
             await self._runsc_quiet(_KILL_TIMEOUT, "kill", sandbox_id, "SIGKILL")
             if not await _wait_all_exit(pidfds, _EXIT_TIMEOUT):
                 for fd in pidfds:
@@ -665,33 +670,40 @@ class _Cgroups:
         return names
 
     def set_frozen(self, frozen: bool) -> bool:
-        """Freeze or thaw the cgroup (v2 only); False if that is not possible here.
+        """Freeze or thaw the cgroup; False if that is not possible here.
 
-        Waits for the kernel to report the new state (`frozen 0|1` in
-        cgroup.events), so the processes really are stopped on return.
+        The v2 freezer (`cgroup.freeze`) or the v1 one (`freezer.state`): one
+        write, no process to start (`runsc pause`/`resume` cost a Go process
+        each, 100+ ms on a busy host). Waits for the kernel to report the new
+        state, so the processes really are stopped on return.
         """
-        if not self.is_v2():
-            return False
-        d = CGROUP_ROOT / self.path
+        if self.is_v2():
+            d = CGROUP_ROOT / self.path
+            control, value, events = "cgroup.freeze", "1" if frozen else "0", "cgroup.events"
+            want = f"frozen {1 if frozen else 0}"
+        else:
+            d = CGROUP_ROOT / "freezer" / self.path
+            control, value = "freezer.state", "FROZEN" if frozen else "THAWED"
+            events, want = "freezer.state", value
         try:
-            (d / "cgroup.freeze").write_text("1" if frozen else "0")
+            (d / control).write_text(value)
         except OSError:
             return False
-        want = f"frozen {1 if frozen else 0}"
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
-                if want in (d / "cgroup.events").read_text().splitlines():
+                if want in (d / events).read_text().splitlines():
                     return True
             time.sleep(0.001)
         return True
 
     def is_frozen(self) -> bool:
-        """Whether the cgroup v2 freezer holds the sandbox (False where there is none)."""
-        if not self.is_v2():
-            return False
+        """Whether the cgroup freezer holds the sandbox (False where there is none)."""
         with contextlib.suppress(OSError):
-            return "frozen 1" in (CGROUP_ROOT / self.path / "cgroup.events").read_text()
+            if self.is_v2():
+                return "frozen 1" in (CGROUP_ROOT / self.path / "cgroup.events").read_text()
+            state = (CGROUP_ROOT / "freezer" / self.path / "freezer.state").read_text()
+            return state.strip() in ("FROZEN", "FREEZING")
         return False
 
     def pids(self) -> list[int]:

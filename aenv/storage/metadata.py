@@ -6,7 +6,8 @@ columns for what is looked up (a snapshot's name, template and source
 sandbox), so no lookup reads every record. Every write is
 one transaction in WAL mode with `synchronous=FULL`, so a crash leaves either
 the old or the new record, never half of one. SQLite calls block, so the
-async `Metadata` wrapper runs them in a worker thread, one at a time.
+async `Metadata` wrapper runs them in a worker thread, one at a time, and
+commits the sandbox records of concurrent callers in one transaction.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import sqlite3
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,6 +48,8 @@ CREATE INDEX IF NOT EXISTS snapshots_uploading ON snapshots(created_at)
 """
 
 Doc = dict[str, Any]
+# a sandbox record to write: (id, state, doc, now); state None deletes it
+SandboxWrite = tuple[str, str | None, Doc | None, float]
 
 
 class MetadataStore:
@@ -110,6 +114,27 @@ class MetadataStore:
             "updated_at=excluded.updated_at, doc=excluded.doc",
             (sandbox_id, state, now, json.dumps(doc, sort_keys=True)),
         )
+
+    def write_sandboxes(self, records: list[SandboxWrite]) -> None:
+        """Each of `records` in order, in one transaction (one sync to disk for all):
+        (id, state, doc, now) is a `put_sandbox`, (id, None, None, 0) a `delete_sandbox`."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sandbox_id, state, doc, now in records:
+                    if state is None:
+                        self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+                        continue
+                    self._db.execute(
+                        "INSERT INTO sandboxes(id, state, updated_at, doc) VALUES (?, ?, ?, ?) "
+                        "ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
+                        "updated_at=excluded.updated_at, doc=excluded.doc",
+                        (sandbox_id, state, now, json.dumps(doc, sort_keys=True)),
+                    )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def get_sandbox(self, sandbox_id: str) -> Doc | None:
         rows = self._rows("SELECT doc FROM sandboxes WHERE id = ?", (sandbox_id,))
@@ -207,12 +232,47 @@ class MetadataStore:
         self._write("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
 
 
+@dataclass
+class _Put:
+    record: SandboxWrite
+    done: bool = False
+    error: Exception | None = None
+
+
 class Metadata:
     """Async face of a MetadataStore: each call runs in a worker thread, serially."""
 
     def __init__(self, store: MetadataStore) -> None:
         self.store = store
         self._limiter = trio.CapacityLimiter(1)
+        self._puts: list[_Put] = []
+        self._put_lock = trio.Lock()  # (FIFO)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def put_sandbox(self, sandbox_id: str, state: str, doc: Doc, now: float) -> None:
+        """`MetadataStore.put_sandbox`, committed when this returns; the records of
+        concurrent callers are committed together (group commit: 20 creates at once
+        wait for one sync to disk, not for 20 in a row)."""
+        await self._write_sandbox((sandbox_id, state, doc, now))
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        """`MetadataStore.delete_sandbox`, committed with concurrent writes (`put_sandbox`)."""
+        await self._write_sandbox((sandbox_id, None, None, 0.0))
+
+    async def _write_sandbox(self, record: SandboxWrite) -> None:
+        put = _Put(record)
+        self._puts.append(put)
+        async with self._put_lock:
+            if not put.done:  # the first waiter writes what every waiter queued
+                batch, self._puts = self._puts, []
+                try:
+                    await self.run(self.store.write_sandboxes, [p.record for p in batch])
+                except Exception as exc:
+                    for p in batch:
+                        p.error = exc
+                for p in batch:
+                    p.done = True
+        if put.error is not None:
+            raise put.error

@@ -39,7 +39,8 @@ pytestmark = pytest.mark.timeout(60)
 async def test_a_failing_pool_filler_is_restarted_then_given_up_and_the_node_serves_on(
     clock: trio.testing.MockClock, autojump: AutoJump, tmp_path: Path, fake: FakeHost
 ) -> None:
-    async with open_test_node(node_config(tmp_path, pool_size=1), fake) as node:
+    config = node_config(tmp_path, pool_size=1, pool_refill_concurrency=1)  # a restore at a time
+    async with open_test_node(config, fake) as node:
         template = await node.resolve_template(TEMPLATE)
         source = await create(node, timeout_s=600)
         key = snapshot_name(template)  # the snapshot the pool restores from

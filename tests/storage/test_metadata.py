@@ -6,7 +6,9 @@ import json
 import sqlite3
 from pathlib import Path
 
-from aenv.storage.metadata import Metadata, MetadataStore
+import trio
+
+from aenv.storage.metadata import Metadata, MetadataStore, SandboxWrite
 
 
 def test_sandbox_records_round_trip_and_survive_reopen(tmp_path: Path) -> None:
@@ -99,3 +101,53 @@ def test_the_first_names_of_user_snapshots_come_from_indexes(tmp_path: Path) -> 
     s.put_snapshot("snap-1", None, 5.0, {"names": ["~paused/sb"]})
     assert s.snapshot_names(10) == ["snap-a", "snap-b", "snap-c", "zeta"]
     assert s.snapshot_names(2) == ["snap-a", "snap-b"]
+
+
+async def test_concurrent_sandbox_records_are_committed_together_in_order(
+    tmp_path: Path,
+) -> None:
+    store = MetadataStore(tmp_path / "m.db")
+    batches: list[int] = []
+    write_many = store.write_sandboxes
+
+    def counted(records: list[SandboxWrite]) -> None:
+        batches.append(len(records))
+        write_many(records)
+
+    store.write_sandboxes = counted  # type: ignore[method-assign]
+    meta = Metadata(store)
+
+    async def twice() -> None:  # one sandbox's records, one after the other: the later wins
+        await meta.put_sandbox("s0", "running", {"n": 0}, 0.0)
+        await meta.put_sandbox("s0", "frozen", {"n": 100}, 30.0)
+
+    async def gone() -> None:  # a record deleted right after it was written
+        await meta.put_sandbox("s20", "running", {"n": 20}, 0.0)
+        await meta.delete_sandbox("s20")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(twice)
+        nursery.start_soon(gone)
+        for i in range(1, 20):
+            nursery.start_soon(meta.put_sandbox, f"s{i}", "running", {"n": i}, float(i))
+    assert sum(batches) == 23 and len(batches) < 23  # fewer syncs than records
+    assert store.get_sandbox("s20") is None
+    assert [store.get_sandbox(f"s{i}") for i in range(1, 20)] == [{"n": i} for i in range(1, 20)]
+    assert store.get_sandbox("s0") == {"n": 100}
+    store.close()
+    # a failing commit fails every caller of its batch, not only the first
+    broken = MetadataStore(tmp_path / "b.db")
+    meta = Metadata(broken)
+    broken.close()
+    failures: list[Exception] = []
+
+    async def put(i: int) -> None:
+        try:
+            await meta.put_sandbox(f"s{i}", "running", {}, 0.0)
+        except Exception as exc:
+            failures.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(put, i)
+    assert len(failures) == 5
