@@ -44,8 +44,10 @@ import trio
 from aenv.images.cache import ChunkCache
 from aenv.images.catalog import CatalogEntry, ImageCatalog
 from aenv.images.convert import ChunkCutter, ConversionError, LayerConverter
+from aenv.images.lazy import TocLayers
 from aenv.images.objects import ChunkSink, ChunkStore, LayerOrphaned, LayerUploads, layer_key
 from aenv.images.registry import RegistryClient, RegistryError
+from aenv.images.toc import TocError
 from aenv.kit.errors import first_leaf
 from aenv.kit.files import write_atomic
 from aenv.proto import layerindex
@@ -265,6 +267,11 @@ class ImageStore:
         self.uploads = LayerUploads(
             root=root / "uploads", load_index=self.load_index, cached=cache.peek, recut=self.recut
         )
+        self.toc_layers = TocLayers(registry, on_bytes=self._downloaded, limiter=self._limiter)
+        self._chunk_sizes: dict[str, dict[str, int]] = {}  # TOC layer -> chunk digest -> size
+
+    def _downloaded(self, n: int) -> None:
+        self.bytes_downloaded += n
 
     def use_object_store(self, objects: ChunkStore | None, nursery: trio.Nursery) -> None:
         """Share converted layers through `objects` (None: keep them local).
@@ -489,6 +496,12 @@ class ImageStore:
             index = await self._index_from_store(desc, diff_id)
             if index is not None:
                 return index
+            # eStargz / zstd:chunked: the index from the TOC, the blob fetched by range on
+            # reads. Not uploaded: any node indexes it from the registry as cheaply.
+            index = await self.toc_layers.index(ref, desc, diff_id)
+            if index is not None:
+                await trio.to_thread.run_sync(write_atomic, path, layerindex.dumps(index))
+                return index
             stored: list[str] = []  # chunks new to the cache, dropped if this fails
 
             def put_chunk(digest: str, data: bytes) -> None:
@@ -605,7 +618,30 @@ class ImageStore:
         data = await self._chunk_from_store(chunk)
         if data is not None:
             return data
+        index, _ = await trio.to_thread.run_sync(self._layer_chunks, layer)
+        if index.toc:
+            return await self._chunk_from_toc(chunk, index)
         return await self._chunk_from_registry(chunk, layer)
+
+    async def _chunk_from_toc(self, chunk: Chunk, index: LayerIndex) -> bytes:
+        """`chunk` of a TOC-indexed layer: its span (and the next ones) by range."""
+        ref = await trio.to_thread.run_sync(self._source, index.digest)
+        sizes = self._chunk_sizes.get(index.digest)
+        if sizes is None:
+            sizes = {c.digest: c.size for e in index.entries for c in e.chunks}
+            self._chunk_sizes[index.digest] = sizes
+
+        def put(digest: str, data: bytes) -> None:  # in a worker thread
+            self.cache.put(digest, data, verified=True)
+
+        try:
+            return await self.toc_layers.fetch(
+                ref, index, chunk, sizes=sizes, cached=self.cache.__contains__, put=put
+            )
+        except (TocError, RegistryError) as exc:
+            raise ChunkRefetchError(
+                f"chunk {chunk.digest[:19]} of layer {index.digest[:19]} ({index.toc}): {exc}"
+            ) from exc
 
     async def _chunk_from_store(self, chunk: Chunk) -> bytes | None:
         store = self._store_usable()
