@@ -847,7 +847,7 @@ def push_image(
     reg: LocalRegistry,
     repo: str,
     tag: str | None,
-    layers: Sequence[Layer],
+    layers: Sequence[Layer] | Sequence[Any],
     *,
     config: Mapping[str, Any] | None = None,
     arch: str = "amd64",
@@ -892,7 +892,12 @@ def push_image(
             "digest": config_digest,
             "size": len(config_blob),
         },
-        "layers": [{"mediaType": p.media_type, "digest": p.digest, "size": p.size} for p in pushed],
+        "layers": [
+            {"mediaType": p.media_type, "digest": p.digest, "size": p.size}
+            # a TOC-indexed layer (tests.toclayers) pins its TOC digest in annotations
+            | ({"annotations": notes} if (notes := getattr(layer, "annotations", None)) else {})
+            for p, layer in zip(pushed, layers, strict=True)
+        ],
     }
     body = json.dumps(manifest, indent=2).encode()
     with _client(reg, auth) as client:
