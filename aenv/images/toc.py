@@ -244,11 +244,15 @@ def decode_zstd_toc(data: bytes, layout: TocLayout) -> bytes:
 # -- the index ----------------------------------------------------------------------
 
 
-def _int(raw: Any, what: str, default: int = 0) -> int:
+_I64 = (1 << 63) - 1
+_U32 = (1 << 32) - 1
+
+
+def _int(raw: Any, what: str, limit: int = _I64) -> int:
     if raw is None:
-        return default
-    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
-        raise TocError(f"{what} is not a non-negative integer")
+        return 0
+    if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= limit:
+        raise TocError(f"{what} is not an integer in 0..{limit}")
     return raw
 
 
@@ -273,7 +277,7 @@ def _mtime_ns(raw: Any) -> int:
     frac = re.search(r"\.(\d+)", text)  # keep nanoseconds fromisoformat drops
     nanos = int((frac.group(1) + "000000000")[:9]) if frac else 0
     secs = int(when.timestamp() // 1)
-    return max(secs * 1_000_000_000 + nanos, 0)
+    return min(max(secs * 1_000_000_000 + nanos, 0), _I64)
 
 
 def _xattrs(raw: Any) -> dict[str, bytes]:
@@ -400,12 +404,12 @@ def _entry(raw: dict[str, Any], path: str, kind: Kind, **more: Any) -> Entry:
     return Entry(
         path=path,
         kind=kind,
-        mode=_int(raw.get("mode"), "mode") & 0o7777,
-        uid=_int(raw.get("uid"), "uid"),
-        gid=_int(raw.get("gid"), "gid"),
+        mode=_int(raw.get("mode"), "mode", _U32) & 0o7777,
+        uid=_int(raw.get("uid"), "uid", _U32),
+        gid=_int(raw.get("gid"), "gid", _U32),
         mtime_ns=_mtime_ns(raw.get("modtime")),
-        devmajor=_int(raw.get("devMajor"), "devMajor"),
-        devminor=_int(raw.get("devMinor"), "devMinor"),
+        devmajor=_int(raw.get("devMajor"), "devMajor", _U32),
+        devminor=_int(raw.get("devMinor"), "devMinor", _U32),
         xattrs=_xattrs(raw.get("xattrs")),
         **more,
     )
