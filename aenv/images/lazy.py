@@ -10,6 +10,10 @@ spans right after it (read-ahead: a reader going through a file, or a
 chunking that cuts small chunks, costs one request per `READ_AHEAD_BYTES`),
 which go into the cache as ordinary verified chunks.
 
+`TocLayers.prefetch` fetches an eStargz layer's prioritized files (those
+before its `.prefetch.landmark` entry, the files an image optimiser saw read
+first) into the cache in the background, in `READ_AHEAD_BYTES` requests.
+
 Anything unexpected while indexing (a malformed annotation, footer or TOC, a
 digest that does not match, a registry that ignores `Range`) returns None:
 the caller downloads and converts the layer in full as for any other layer.
@@ -29,11 +33,12 @@ from aenv.images.registry import BlobInfo, RegistryClient, RegistryError
 from aenv.proto.imageref import ImageRef
 from aenv.proto.layerindex import Chunk, LayerIndex, Span
 
-__all__ = ["READ_AHEAD_BYTES", "TocLayers"]
+__all__ = ["PREFETCH_LANDMARK", "READ_AHEAD_BYTES", "TocLayers"]
 
 log = logging.getLogger("aenv.images.lazy")
 
 READ_AHEAD_BYTES = 4 << 20  # compressed bytes fetched at most per chunk miss
+PREFETCH_LANDMARK = ".prefetch.landmark"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class TocLayers:
         self._starts: dict[str, list[tuple[int, str]]] = {}  # layer -> sorted (start, chunk)
         self.layers_indexed = 0
         self.fallbacks = 0
+        self.prefetched_bytes = 0
 
     async def _range(self, ref: ImageRef, blob: BlobInfo, start: int, end: int) -> bytes:
         data = await self.registry.blob_range(ref, blob, start, end)
@@ -179,3 +185,50 @@ class TocLayers:
             return wanted
 
         return await trio.to_thread.run_sync(cut, limiter=self._limiter)
+
+    @staticmethod
+    def prioritized(index: LayerIndex) -> list[Chunk]:
+        """The chunks of the files before the layer's prefetch landmark, in blob order."""
+        if index.toc != "estargz":
+            return []
+        landmark = next((e for e in index.entries if e.path == PREFETCH_LANDMARK), None)
+        if landmark is None or not landmark.chunks:
+            return []
+        limit = index.spans[landmark.chunks[0].digest].start
+        seen: dict[str, Chunk] = {}
+        for e in index.entries:
+            for c in e.chunks:
+                if index.spans[c.digest].start < limit:
+                    seen.setdefault(c.digest, c)
+        return sorted(seen.values(), key=lambda c: index.spans[c.digest].start)
+
+    async def prefetch(
+        self,
+        ref: ImageRef,
+        index: LayerIndex,
+        *,
+        budget: int,
+        cached: Callable[[str], bool],
+        put: Callable[[str, bytes], object],
+    ) -> None:
+        """Fetch the prioritized chunks of `index` (at most `budget` compressed bytes)
+        not in the cache yet, to `put`; failures are logged, never raised."""
+        todo = [c for c in self.prioritized(index) if not cached(c.digest)]
+        sizes = {c.digest: c.size for c in todo}
+        done = 0
+        try:
+            while todo and done < budget:
+                first = todo[0]
+                plan = self._plan(index, first, sizes, cached)
+                got = await self.fetch(ref, index, first, sizes=sizes, cached=cached, put=put)
+                await trio.to_thread.run_sync(put, first.digest, got)
+                planned = {d for d, _ in plan}
+                done += max(s.end for _, s in plan) - plan[0][1].start
+                todo = [c for c in todo if c.digest not in planned and not cached(c.digest)]
+        except (toc.TocError, RegistryError) as exc:
+            log.warning("layer %s: prefetch stopped: %s", index.digest[:19], exc)
+        self.prefetched_bytes += done
+        if done:
+            log.info(
+                "layer %s: prefetched %d KiB of prioritized files", index.digest[:19], done >> 10
+            )

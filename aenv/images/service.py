@@ -143,6 +143,7 @@ class Images:
             "layersFromStore": self.store.layers_from_store,
             "layersFromToc": self.store.toc_layers.layers_indexed,
             "tocFallbacks": self.store.toc_layers.fallbacks,
+            "tocPrefetchedBytes": self.store.toc_layers.prefetched_bytes,
             "uploads": self.store.uploads.statistics(),
         }
 

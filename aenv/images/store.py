@@ -269,6 +269,7 @@ class ImageStore:
         )
         self.toc_layers = TocLayers(registry, on_bytes=self._downloaded, limiter=self._limiter)
         self._chunk_sizes: dict[str, dict[str, int]] = {}  # TOC layer -> chunk digest -> size
+        self._background: trio.Nursery | None = None  # prefetches (set with the object store)
 
     def _downloaded(self, n: int) -> None:
         self.bytes_downloaded += n
@@ -280,6 +281,7 @@ class ImageStore:
         are resumed now.
         """
         self.objects = objects
+        self._background = nursery
         if objects is not None:
             self.uploads.start(objects, nursery)
 
@@ -501,6 +503,8 @@ class ImageStore:
             index = await self.toc_layers.index(ref, desc, diff_id)
             if index is not None:
                 await trio.to_thread.run_sync(write_atomic, path, layerindex.dumps(index))
+                if self._background is not None and self.toc_layers.prioritized(index):
+                    self._background.start_soon(self._prefetch, ref, index)
                 return index
             stored: list[str] = []  # chunks new to the cache, dropped if this fails
 
@@ -623,6 +627,19 @@ class ImageStore:
             return await self._chunk_from_toc(chunk, index)
         return await self._chunk_from_registry(chunk, layer)
 
+    def _put_verified(self, digest: str, data: bytes) -> None:
+        self.cache.put(digest, data, verified=True)
+
+    async def _prefetch(self, ref: ImageRef, index: LayerIndex) -> None:
+        """A TOC layer's prioritized files into the cache (at most an eighth of it)."""
+        await self.toc_layers.prefetch(
+            ref,
+            index,
+            budget=self.cache.max_bytes // 8,
+            cached=self.cache.__contains__,
+            put=self._put_verified,
+        )
+
     async def _chunk_from_toc(self, chunk: Chunk, index: LayerIndex) -> bytes:
         """`chunk` of a TOC-indexed layer: its span (and the next ones) by range."""
         ref = await trio.to_thread.run_sync(self._source, index.digest)
@@ -631,12 +648,14 @@ class ImageStore:
             sizes = {c.digest: c.size for e in index.entries for c in e.chunks}
             self._chunk_sizes[index.digest] = sizes
 
-        def put(digest: str, data: bytes) -> None:  # in a worker thread
-            self.cache.put(digest, data, verified=True)
-
         try:
             return await self.toc_layers.fetch(
-                ref, index, chunk, sizes=sizes, cached=self.cache.__contains__, put=put
+                ref,
+                index,
+                chunk,
+                sizes=sizes,
+                cached=self.cache.__contains__,
+                put=self._put_verified,
             )
         except (TocError, RegistryError) as exc:
             raise ChunkRefetchError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.server
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,9 +69,11 @@ def members(seed: int) -> list[object]:
 
 
 def toc_image(
-    registry: LocalRegistry, repo: str, fmt: TocFormat, **kw: object
+    registry: LocalRegistry, repo: str, fmt: TocFormat, seed: int, **kw: object
 ) -> tuple[object, TocLayer]:
-    layer = toc_layer(members(len(repo)), fmt=fmt, chunk_size=MiB, **kw)  # type: ignore[arg-type]
+    """busybox + a layer of `members(seed)`: a seed per test, so no test finds its
+    content in the node's cache already (identical chunks are stored once)."""
+    layer = toc_layer(members(seed), fmt=fmt, chunk_size=MiB, **kw)  # type: ignore[arg-type]
     try:
         img = push_image(registry, repo, "v1", [busybox_layer(), layer], config=CONFIG)
     finally:
@@ -83,7 +86,7 @@ def test_a_toc_image_starts_from_its_toc_and_reads_lazily(
     node: NodeProc, registry: LocalRegistry, tmp_path: Path, fmt: TocFormat
 ) -> None:
     repo = f"toc-{fmt.replace(':', '-')}"
-    img, layer = toc_image(registry, repo, fmt)
+    img, layer = toc_image(registry, repo, fmt, seed=100 if fmt == "estargz" else 200)
     got0 = metric(node, "aenv_image_registry_bytes_total")
     s = Sandbox.create(img.ref, timeout=120)  # type: ignore[attr-defined]
     try:
@@ -116,7 +119,7 @@ def test_a_toc_image_starts_from_its_toc_and_reads_lazily(
 def test_a_chunk_that_does_not_match_the_toc_is_an_io_error(
     node: NodeProc, registry: LocalRegistry
 ) -> None:
-    img, _ = toc_image(registry, "toc-corrupt", "estargz", corrupt=["data/mid.bin"])
+    img, _ = toc_image(registry, "toc-corrupt", "estargz", 300, corrupt=["data/mid.bin"])
     s = Sandbox.create(img.ref, timeout=120)  # type: ignore[attr-defined]
     try:
         with pytest.raises(CommandExitException) as err:
@@ -127,6 +130,46 @@ def test_a_chunk_that_does_not_match_the_toc_is_an_io_error(
     finally:
         s.kill()
     assert "hashes to" in node.log_tail(200)  # the node says why
+
+
+def test_prioritized_files_are_prefetched_after_the_pull(
+    node: NodeProc, registry: LocalRegistry
+) -> None:
+    # seeds of their own: content another test cached would not be fetched again
+    hot, cold = (
+        random_file("data/hot.bin", 6 * MiB, seed=9001),
+        random_file("data/cold.bin", 6 * MiB, seed=9002),
+    )
+    layer = toc_layer(
+        [directory("data"), hot, file(".prefetch.landmark", b"\x0f"), cold],
+        fmt="estargz",
+        chunk_size=MiB,
+    )
+    try:
+        img = push_image(registry, "toc-prefetch", "v1", [busybox_layer(), layer], config=CONFIG)
+    finally:
+        layer.delete()
+    got0 = metric(node, "aenv_image_registry_bytes_total")
+    with httpx.Client(base_url=node.url, headers={"X-API-Key": node.api_key}, timeout=120) as c:
+        assert c.post("/images", json={"image": img.ref}).status_code == 201
+    # the files before the landmark arrive in the background, the ones after it do not
+    deadline = time.monotonic() + 60
+    while metric(node, "aenv_image_registry_bytes_total") - got0 < 6 * MiB:
+        assert time.monotonic() < deadline, "the prioritized file was not prefetched"
+        time.sleep(0.2)
+    time.sleep(1)
+    prefetched = metric(node, "aenv_image_registry_bytes_total") - got0
+    assert prefetched < 9 * MiB, prefetched
+    s = Sandbox.create(img.ref, timeout=120)  # type: ignore[attr-defined]
+    try:
+        digests = img.contents  # type: ignore[attr-defined]
+        assert s.commands.run("sha256sum hot.bin").stdout.split()[0] == digests["data/hot.bin"]
+        after_hot = metric(node, "aenv_image_registry_bytes_total") - got0
+        assert after_hot - prefetched < MiB, (prefetched, after_hot)  # from the cache
+        assert s.commands.run("sha256sum cold.bin").stdout.split()[0] == digests["data/cold.bin"]
+        assert metric(node, "aenv_image_registry_bytes_total") - got0 - after_hot >= 6 * MiB
+    finally:
+        s.kill()
 
 
 class _NoRange(http.server.BaseHTTPRequestHandler):
@@ -170,7 +213,7 @@ def no_range(registry: LocalRegistry) -> Iterator[str]:
 def test_a_registry_without_range_support_gets_the_full_pull(
     node: NodeProc, registry: LocalRegistry, no_range: str
 ) -> None:
-    img, layer = toc_image(registry, "toc-norange", "zstd:chunked")
+    img, layer = toc_image(registry, "toc-norange", "zstd:chunked", 400)
     ref = img.ref.replace(registry.host, no_range)  # type: ignore[attr-defined]
     got0 = metric(node, "aenv_image_registry_bytes_total")
     s = Sandbox.create(ref, timeout=180)

@@ -17,6 +17,7 @@ import pytest
 
 from aenv.images import toc
 from aenv.images.convert import LayerConverter
+from aenv.images.lazy import TocLayers
 from aenv.proto import layerindex
 from aenv.proto.layerindex import Kind, LayerIndex
 from tests.registry import (
@@ -211,3 +212,26 @@ def test_bad_tocs_raise(doc: dict[str, object]) -> None:
             diff_id="sha256:" + "2" * 64,
             toc_start=50,
         )
+
+
+def test_prioritized_chunks_are_the_files_before_the_landmark() -> None:
+    layer = toc_layer(
+        [
+            random_file("hot/a", 2 * (1 << 20) + 5, seed=21),
+            file("hot/b", b"bee"),
+            file(".prefetch.landmark", b"\x0f"),
+            random_file("cold/c", 1 << 20, seed=22),
+        ],
+        fmt="estargz",
+    )
+    try:
+        lazy = _lazy(layer)
+    finally:
+        layer.delete()
+    by_path = {e.path: e for e in lazy.entries}
+    want = [*by_path["hot/a"].chunks, *by_path["hot/b"].chunks]
+    assert TocLayers.prioritized(lazy) == want
+    # no landmark, or zstd:chunked: nothing is prioritized
+    assert TocLayers.prioritized(dataclasses.replace(lazy, toc="zstd:chunked")) == []
+    no_mark = tuple(e for e in lazy.entries if e.path != ".prefetch.landmark")
+    assert TocLayers.prioritized(dataclasses.replace(lazy, entries=no_mark)) == []
