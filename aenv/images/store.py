@@ -18,6 +18,13 @@ in the store (converted by another node, or by this one before its disk was
 wiped) is not downloaded or converted at all: its index is fetched, checked
 against the manifest's digest and size and the config's diff_id, and kept.
 
+A layer in a TOC-indexed format (eStargz, zstd:chunked) whose descriptor
+pins its TOC digest is not downloaded either: `TocLayers` builds its index
+from the TOC with a few range requests, and its chunks are fetched by range
+on first read (`aenv.images.lazy`); anything unexpected there falls back to
+the full download. Such layers are not uploaded (any node indexes them as
+cheaply from the registry).
+
 Trees are built on demand from the layer indexes (`tree(key)`) and handed to
 the FUSE file system, which reads content through the cache. A chunk that is
 not in the cache is fetched from the object store (one blob, verified), else
