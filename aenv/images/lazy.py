@@ -70,6 +70,28 @@ class TocLayers:
         self._on_bytes(len(data))
         return data
 
+    @staticmethod
+    def reusable(index: LayerIndex, desc: toc.Described) -> bool:
+        """Whether a kept index of `desc`'s blob may serve this descriptor.
+
+        An index built from a TOC was checked against the TOC digest one
+        manifest pinned, not against the blob's digest (never read whole): it
+        serves only descriptors pinning that same TOC digest, so a manifest
+        elsewhere naming the same blob digest with a TOC of its own cannot
+        decide what another image's sandboxes read. Indexes converted from the
+        whole (verified) blob serve every descriptor.
+        """
+        if not index.toc:
+            return True
+        try:
+            layout = toc.detect(desc)
+        except toc.TocError:
+            return False
+        return layout is not None and (layout.format, layout.toc_digest) == (
+            index.toc,
+            index.toc_digest,
+        )
+
     async def index(self, ref: ImageRef, desc: toc.Described, diff_id: str) -> LayerIndex | None:
         """The index of layer `desc` from its TOC; None if it has none or it cannot be used."""
         digest = str(getattr(desc, "digest", ""))
@@ -123,6 +145,10 @@ class TocLayers:
             len(index.entries),
         )
         return index
+
+    def forget(self, layer: str) -> None:
+        """Drop what is kept of `layer`'s index (it is being replaced)."""
+        self._starts.pop(layer, None)
 
     def _order(self, index: LayerIndex) -> list[tuple[int, str]]:
         found = self._starts.get(index.digest)

@@ -497,11 +497,22 @@ class ImageStore:
         async with lock:
             path = self._index_path(desc.digest)
             try:
-                return await trio.to_thread.run_sync(self.load_index, desc.digest)
+                kept = await trio.to_thread.run_sync(self.load_index, desc.digest)
             except FileNotFoundError:
                 pass
             except layerindex.BadIndex as exc:
                 log.warning("layer index %s is corrupt (%s); converting again", path.name, exc)
+            else:
+                if self.toc_layers.reusable(kept, desc):
+                    return kept
+                log.warning(
+                    "layer %s: the kept index was built from a TOC this image does not pin; "
+                    "indexing it again",
+                    desc.digest[:19],
+                )
+                self._chunk_lists.pop(desc.digest, None)
+                self._chunk_sizes.pop(desc.digest, None)
+                self.toc_layers.forget(desc.digest)
             index = await self._index_from_store(desc, diff_id)
             if index is not None:
                 return index

@@ -396,6 +396,7 @@ def build_index(
         size=size,
         entries=entries,
         toc=layout.format,
+        toc_digest=layout.toc_digest,
         spans=spans,
     )
 

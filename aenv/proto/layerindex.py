@@ -106,6 +106,7 @@ class LayerIndex:
     size: int  # compressed size
     entries: tuple[Entry, ...]
     toc: str = ""  # "estargz" or "zstd:chunked" when indexed from the blob's TOC
+    toc_digest: str = ""  # the TOC digest the layer's descriptor pinned (toc only)
     spans: dict[str, Span] = field(default_factory=dict)  # chunk digest -> span (toc only)
 
     @property
@@ -142,6 +143,7 @@ def dumps(index: LayerIndex) -> bytes:
     if index.toc:
         doc["toc"] = {
             "format": index.toc,
+            "digest": index.toc_digest,
             "spans": {d: [s.start, s.end, s.inner] for d, s in sorted(index.spans.items())},
         }
     return json.dumps(doc, separators=(",", ":")).encode()
@@ -254,4 +256,4 @@ def _toc_from_json(raw: Any) -> dict[str, Any]:
         if end <= start:
             raise BadIndex(f"span of {digest!r} is empty")
         spans[digest] = Span(start, end, inner)
-    return {"toc": fmt, "spans": spans}
+    return {"toc": fmt, "toc_digest": _str(raw.get("digest"), "toc digest"), "spans": spans}

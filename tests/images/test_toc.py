@@ -235,3 +235,24 @@ def test_prioritized_chunks_are_the_files_before_the_landmark() -> None:
     assert TocLayers.prioritized(dataclasses.replace(lazy, toc="zstd:chunked")) == []
     no_mark = tuple(e for e in lazy.entries if e.path != ".prefetch.landmark")
     assert TocLayers.prioritized(dataclasses.replace(lazy, entries=no_mark)) == []
+
+
+def test_a_toc_index_serves_only_descriptors_pinning_its_toc(layer: TocLayer) -> None:
+    lazy = _lazy(layer)
+    same = _Desc(layer)
+    assert TocLayers.reusable(lazy, same)
+    other = _Desc(layer)
+    other._notes = {
+        k: (
+            "sha256:" + "3" * 64
+            if k != "io.github.containers.zstd-chunked.manifest-position"
+            else v
+        )
+        for k, v in layer.annotations.items()
+    }
+    assert not TocLayers.reusable(lazy, other)  # another TOC for the same blob digest
+    bare = _Desc(layer)
+    bare._notes = {}
+    assert not TocLayers.reusable(lazy, bare)  # a plain pull of the blob: convert it
+    assert TocLayers.reusable(_full(layer), bare)  # a verified conversion serves anyone
+    assert TocLayers.reusable(_full(layer), same)
