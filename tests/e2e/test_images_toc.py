@@ -172,6 +172,32 @@ def test_prioritized_files_are_prefetched_after_the_pull(
         s.kill()
 
 
+def test_the_same_blob_without_its_toc_annotation_is_downloaded_and_verified(
+    node: NodeProc, registry: LocalRegistry
+) -> None:
+    layer = toc_layer(members(500), fmt="estargz", chunk_size=MiB)
+    try:
+        pinned = push_image(registry, "toc-pinned", "v1", [busybox_layer(), layer], config=CONFIG)
+        layer.annotations = {}  # another manifest naming the same blob digest, no TOC pinned
+        bare = push_image(registry, "toc-bare", "v1", [busybox_layer(), layer], config=CONFIG)
+    finally:
+        layer.delete()
+    with httpx.Client(base_url=node.url, headers={"X-API-Key": node.api_key}, timeout=120) as c:
+        got0 = metric(node, "aenv_image_registry_bytes_total")
+        assert c.post("/images", json={"image": pinned.ref}).status_code == 201
+        got1 = metric(node, "aenv_image_registry_bytes_total")
+        assert got1 - got0 < layer.size / 4  # from the TOC
+        assert c.post("/images", json={"image": bare.ref}).status_code == 201
+        # not the first image's TOC index: the blob, downloaded and checked whole
+        assert metric(node, "aenv_image_registry_bytes_total") - got1 >= layer.size
+    s = Sandbox.create(bare.ref, timeout=120)
+    try:
+        digest = bare.contents["data/mid.bin"]
+        assert s.commands.run("sha256sum mid.bin").stdout.split()[0] == digest
+    finally:
+        s.kill()
+
+
 class _NoRange(http.server.BaseHTTPRequestHandler):
     """Forwards GETs to the registry without their Range header (a registry that
     always answers with the whole blob)."""
