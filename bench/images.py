@@ -13,12 +13,16 @@ for each image times, on the same machine in the same run:
   until a first `commands.run("true")` returns (pull, layer conversion into
   the chunk cache, lazy FUSE tree, sandbox start), and the bytes the node
   downloaded from the registry and served through FUSE meanwhile (metrics);
+- aenv again, with the same content in TOC-indexed layers (eStargz, and
+  zstd:chunked: `--toc`, the test writers of `tests.toclayers`, 4 MiB chunks):
+  the pull reads each big layer's footer and TOC by range instead of the blob,
+  and the first command reads what it touches chunk by chunk;
 - the full pull a Docker-like runtime does before it starts anything:
   `skopeo copy docker://REF oci:DIR` + `umoci unpack`, then `runsc run` of
   the unpacked root filesystem until its `true` exits, started as aenv's
   gVisor driver starts sandboxes (bench/run.py's floor, in a netns of its own).
 
-The two sides alternate which goes first per image. Afterwards it reads every
+The sides rotate which goes first per image. Afterwards it reads every
 big file of every image through the node's FUSE mount (`HOME/run/images/<key>`,
 from this process, not the node's) and from the umoci-unpacked root
 filesystem, twice: cold (the chunk files and the unpacked files dropped from
@@ -31,6 +35,10 @@ fails or the run is interrupted. Needs root, runsc, docker-registry, skopeo,
 umoci and /bin/busybox.
 
     .venv/bin/python bench/images.py [--n 3] [--home DIR] [--total-mb 320]
+        [--toc estargz,zstd:chunked]
+
+`AENV_BENCH_IMAGES_NET_PREFIX` and `AENV_BENCH_IMAGES_SLOT_CIDR` move the
+node's netns prefix and slot range (default aenvi, 10.238.0.0/16).
 """
 
 from __future__ import annotations
@@ -85,8 +93,8 @@ from tests.registry import (  # noqa: E402
     push_busybox,
 )
 
-NET_PREFIX = "aenvi"
-SLOT_CIDR = "10.238.0.0/16"
+NET_PREFIX = os.environ.get("AENV_BENCH_IMAGES_NET_PREFIX", "aenvi")
+SLOT_CIDR = os.environ.get("AENV_BENCH_IMAGES_SLOT_CIDR", "10.238.0.0/16")
 NODE_TAG = "bimg"
 # The full-pull side's own netns, veth and cgroup parent (apart from bench/run.py's).
 FLOOR_NETNS = "aenvifloor"
@@ -101,6 +109,10 @@ RESULTS = REPO / "bench" / "results"
 LAZY_OPS = (
     ("create_to_first_command", 'Sandbox.create(ref) + commands.run("true")'),
     ("create_only", "  of which Sandbox.create"),
+    ("again_to_first_command", "same image again (pulled): create + run"),
+)
+TOC_OPS = (
+    ("create_to_first_command", 'Sandbox.create(ref) + commands.run("true")'),
     ("again_to_first_command", "same image again (pulled): create + run"),
 )
 FULL_OPS = (
@@ -395,6 +407,9 @@ class Results:
     lazy: dict[str, Series] = field(default_factory=lambda: {k: Series() for k, _ in LAZY_OPS})
     full: dict[str, Series] = field(default_factory=lambda: {k: Series() for k, _ in FULL_OPS})
     samples: list[Sample] = field(default_factory=list)
+    # TOC format -> its series (TOC_OPS), and what its lazy starts cost
+    toc: dict[str, dict[str, Series]] = field(default_factory=dict)
+    toc_samples: dict[str, list[Sample]] = field(default_factory=dict)
     reads: dict[str, Throughput] = field(
         default_factory=lambda: {
             key: Throughput()
@@ -408,6 +423,12 @@ class Results:
     def errors(self) -> list[str]:
         out = [f"aenv {k}: {s.error}" for k, s in self.lazy.items() if s.error]
         out += [f"full pull {k}: {s.error}" for k, s in self.full.items() if s.error]
+        out += [
+            f"aenv {fmt} {k}: {s.error}"
+            for fmt, series in self.toc.items()
+            for k, s in series.items()
+            if s.error
+        ]
         out += [f"reads {k}: {t.error}" for k, t in self.reads.items() if t.error]
         return out
 
@@ -446,8 +467,37 @@ def build_images(reg: LocalRegistry, args: argparse.Namespace) -> list[PushedIma
     return images
 
 
+def build_toc_images(reg: LocalRegistry, args: argparse.Namespace) -> dict[str, list[PushedImage]]:
+    """The same content as `build_images` (same seeds) in each `--toc` format."""
+    out: dict[str, list[PushedImage]] = {}
+    for fmt in args.toc:
+        tag = "r" + secrets.token_hex(3)
+        out[fmt] = []
+        for i in range(args.n):
+            t0 = time.perf_counter()
+            out[fmt].append(
+                push_big_image(
+                    reg,
+                    f"bench/big{i}-{fmt.replace(':', '-')}",
+                    tag,
+                    total_mb=args.total_mb,
+                    files=args.files,
+                    layers=3,
+                    seed=1000 + i,
+                    base=[busybox_layer(compression=args.compression)],
+                    toc=fmt,
+                )
+            )
+            print(f"  {fmt} image {i + 1}/{args.n} built and pushed in "
+                  f"{time.perf_counter() - t0:.1f}s", flush=True)  # fmt: skip
+    return out
+
+
 def bench(args: argparse.Namespace, built: Path, config: Config, workdir: Path) -> Results:
     res = Results()
+    for fmt in args.toc:
+        res.toc[fmt] = {k: Series() for k, _ in TOC_OPS}
+        res.toc_samples[fmt] = []
     res.load.append(list(os.getloadavg()))
     reg = LocalRegistry(workdir / "registry")
     node: NodeProc | None = None
@@ -462,6 +512,7 @@ def bench(args: argparse.Namespace, built: Path, config: Config, workdir: Path) 
         t0 = time.perf_counter()
         warm = push_busybox(reg, "bench/warmup", "v1", compression=args.compression)
         images = build_images(reg, args)
+        toc_images = build_toc_images(reg, args)
         res.build_s = time.perf_counter() - t0
 
         home = private_home(built, workdir / "home")
@@ -485,9 +536,12 @@ def bench(args: argparse.Namespace, built: Path, config: Config, workdir: Path) 
             for i, img in enumerate(images):
                 print(f"sample {i + 1}/{len(images)}: {img.ref}", flush=True)
                 rootfs.append(None)
-                for side in ("lazy", "full") if i % 2 == 0 else ("full", "lazy"):
+                sides = ["lazy", "full", *args.toc]
+                for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
                     if side == "lazy":
                         _sample_lazy(node, img, res)
+                    elif side in toc_images:
+                        _sample_toc(node, toc_images[side][i], side, res)
                     else:
                         dest = workdir / "pulls" / str(i)
                         if _sample_full(floor, img, dest, f"aenvbi-{tag}-{i}", res):
@@ -534,6 +588,31 @@ def _sample_lazy(node: NodeProc, img: PushedImage, res: Results) -> None:
         return
     again.samples.append(first * 1000)
     print(f"  aenv again  {first:6.2f}s (image already pulled)", flush=True)
+
+
+def _sample_toc(node: NodeProc, img: PushedImage, fmt: str, res: Results) -> None:
+    series = res.toc[fmt]
+    first_s, again_s = series["create_to_first_command"], series["again_to_first_command"]
+    if first_s.error:
+        return
+    try:
+        created, first, sample = lazy_start(node, img)
+    except Exception as e:
+        first_s.error = _describe(e)
+        return
+    first_s.samples.append(first * 1000)
+    res.toc_samples[fmt].append(sample)
+    print(f"  aenv {fmt:<12} {first:6.2f}s (create {created:.2f}s); registry "
+          f"{sample.registry_bytes / MiB:.1f} MiB, FUSE read {sample.fs_read_bytes / MiB:.2f} MiB",
+          flush=True)  # fmt: skip
+    if again_s.error:
+        return
+    try:
+        _created, first, _sample = lazy_start(node, img)
+    except Exception as e:
+        again_s.error = _describe(e)
+        return
+    again_s.samples.append(first * 1000)
 
 
 def _sample_full(floor: PullFloor, img: PushedImage, dest: Path, cid: str, res: Results) -> bool:
@@ -617,6 +696,16 @@ def ratios(res: Results) -> dict[str, float]:
             out[f"{key}_p50"] = percentile(full, 50) / percentile(lazy, 50)
             paired = [f / a for f, a in zip(full, lazy, strict=False)]
             out[f"{key}_paired_median"] = statistics.median(paired)
+    full = res.full["pull_unpack_start"].samples
+    for fmt, series in res.toc.items():
+        toc = series["create_to_first_command"].samples
+        if toc and full:
+            out[f"{fmt}_full_p50"] = percentile(full, 50) / percentile(toc, 50)
+            out[f"{fmt}_full_p95"] = percentile(full, 95) / percentile(toc, 95)
+            paired = [f / a for f, a in zip(full, toc, strict=False)]
+            out[f"{fmt}_full_paired_median"] = statistics.median(paired)
+        if toc and lazy:
+            out[f"{fmt}_gzip_p50"] = percentile(lazy, 50) / percentile(toc, 50)
     return out
 
 
@@ -648,6 +737,11 @@ def report(res: Results, args: argparse.Namespace) -> str:
     for key, label in LAZY_OPS:
         s = res.lazy[key]
         rows.append((label, str(len(s.samples)), _secs(s, 50), _secs(s, 95)))
+    for fmt, series in res.toc.items():
+        rows.append((f"aenv, the same content as {fmt} layers", "", "", ""))
+        for key, label in TOC_OPS:
+            s = series[key]
+            rows.append((label, str(len(s.samples)), _secs(s, 50), _secs(s, 95)))
     rows.append(("full pull (skopeo + umoci + runsc)", "", "", ""))
     for key, label in FULL_OPS:
         s = res.full[key]
@@ -662,8 +756,20 @@ def report(res: Results, args: argparse.Namespace) -> str:
             f"full pull alone / lazy:   {r['pull_unpack_p50']:.1f}x of p50s "
             f"(per-image median {r['pull_unpack_paired_median']:.1f}x)",
         ]
+    for fmt in res.toc:
+        if f"{fmt}_full_p50" in r:
+            lines.append(
+                f"full pull + start / aenv {fmt}: {r[f'{fmt}_full_p50']:.1f}x of p50s, "
+                f"{r[f'{fmt}_full_p95']:.1f}x of p95s (per-image median "
+                f"{r[f'{fmt}_full_paired_median']:.1f}x); goal >= 5x"
+            )
+        if f"{fmt}_gzip_p50" in r:
+            lines.append(f"aenv gzip / aenv {fmt}: {r[f'{fmt}_gzip_p50']:.1f}x of p50s")
     if res.samples:
         lines += ["", *_bytes_lines(res.samples)]
+    for fmt, samples in res.toc_samples.items():
+        if samples:
+            lines += [f"{fmt}:", *_bytes_lines(samples)]
     lines += ["", "read throughput, per file (MiB/s; p5 is the slow tail)", ""]
     rows = [("", "files", "p50", "p5", "p95", "aggregate")]
     for key, label in (
@@ -711,7 +817,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=30, help="big files per image (default 30)")
     p.add_argument("--compression", choices=("gzip", "zstd", "none"), default="gzip",
                    help="layer compression (default gzip; umoci 0.4 cannot unpack zstd)")  # fmt: skip
+    p.add_argument("--toc", default="estargz,zstd:chunked",
+                   help="TOC-indexed formats to time too, comma-separated ('' for none)")  # fmt: skip
     args = p.parse_args(argv)
+    args.toc = [f for f in args.toc.split(",") if f]
+    if any(f not in ("estargz", "zstd:chunked") for f in args.toc):
+        p.error("--toc takes estargz and zstd:chunked")
     if not 1 <= args.n <= 50:
         p.error("--n must be in 1..50")
     if not 1 <= args.total_mb <= 8192 or args.files < 3:
@@ -766,6 +877,10 @@ def main(argv: list[str] | None = None) -> int:
         "lazy": {k: s.to_json() for k, s in res.lazy.items()},
         "lazy_bytes": [vars(s) for s in res.samples],
         "full": {k: s.to_json() for k, s in res.full.items()},
+        "toc": {
+            fmt: {k: s.to_json() for k, s in series.items()} for fmt, series in res.toc.items()
+        },
+        "toc_bytes": {fmt: [vars(s) for s in v] for fmt, v in res.toc_samples.items()},
         "ratios": ratios(res),
         "reads": {k: t.to_json() for k, t in res.reads.items()},
         "read_passes": res.served,

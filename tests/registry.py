@@ -847,7 +847,7 @@ def push_image(
     reg: LocalRegistry,
     repo: str,
     tag: str | None,
-    layers: Sequence[Layer],
+    layers: Sequence[Layer] | Sequence[Any],
     *,
     config: Mapping[str, Any] | None = None,
     arch: str = "amd64",
@@ -892,7 +892,12 @@ def push_image(
             "digest": config_digest,
             "size": len(config_blob),
         },
-        "layers": [{"mediaType": p.media_type, "digest": p.digest, "size": p.size} for p in pushed],
+        "layers": [
+            {"mediaType": p.media_type, "digest": p.digest, "size": p.size}
+            # a TOC-indexed layer (tests.toclayers) pins its TOC digest in annotations
+            | ({"annotations": notes} if (notes := getattr(layer, "annotations", None)) else {})
+            for p, layer in zip(pushed, layers, strict=True)
+        ],
     }
     body = json.dumps(manifest, indent=2).encode()
     with _client(reg, auth) as client:
@@ -1067,6 +1072,7 @@ def push_big_image(
     seed: int = 0,
     base: Sequence[Layer] = (),
     auth: Auth = None,
+    toc: str | None = None,
 ) -> PushedImage:
     """`total_mb` MiB of random (incompressible) content in `files` files over `layers` layers.
 
@@ -1074,6 +1080,9 @@ def push_big_image(
     result's `.contents` maps each to its sha256 hex. Layer files are deleted
     once pushed. Throughput on this machine: "none" and "zstd" ~300 MB/s,
     "gzip" (level 1) ~40 MB/s. `base` layers (e.g. `busybox_layer()`) go below.
+    `toc` ("estargz", "zstd:chunked") writes the big layers in that TOC-indexed
+    format instead (`tests.toclayers`, 4 MiB chunks; `compression` is then unused):
+    the same content for the same seed.
     """
     if files < layers or layers < 1:
         raise ValueError("need at least one file per layer")
@@ -1082,7 +1091,7 @@ def push_big_image(
     weights = [rng.uniform(0.5, 1.5) for _ in range(files)]
     sizes = [int(total * w / sum(weights)) for w in weights]
     sizes[-1] += total - sum(sizes)
-    built: list[Layer] = []
+    built: list[Any] = []
     try:
         for li in range(layers):
             idx = range(li * files // layers, (li + 1) * files // layers)
@@ -1090,7 +1099,12 @@ def push_big_image(
             members += [
                 random_file(f"big/l{li}/f{i}.bin", sizes[i], seed=seed * 1_000_003 + i) for i in idx
             ]
-            built.append(Layer.build(members, compression=compression))
+            if toc is not None:
+                from tests.toclayers import toc_layer  # it builds on this module
+
+                built.append(toc_layer(members, fmt=toc, chunk_size=4 * MiB))  # type: ignore[arg-type]
+            else:
+                built.append(Layer.build(members, compression=compression))
         return push_image(reg, repo, tag, [*base, *built], config=BUSYBOX_CONFIG, auth=auth)
     finally:
         for layer in built:

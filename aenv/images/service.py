@@ -141,6 +141,9 @@ class Images:
             "bytesDownloaded": self.store.bytes_downloaded,
             "bytesFromStore": self.store.bytes_from_store,
             "layersFromStore": self.store.layers_from_store,
+            "layersFromToc": self.store.toc_layers.layers_indexed,
+            "tocFallbacks": self.store.toc_layers.fallbacks,
+            "tocPrefetchedBytes": self.store.toc_layers.prefetched_bytes,
             "uploads": self.store.uploads.statistics(),
         }
 

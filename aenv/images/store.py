@@ -18,6 +18,13 @@ in the store (converted by another node, or by this one before its disk was
 wiped) is not downloaded or converted at all: its index is fetched, checked
 against the manifest's digest and size and the config's diff_id, and kept.
 
+A layer in a TOC-indexed format (eStargz, zstd:chunked) whose descriptor
+pins its TOC digest is not downloaded either: `TocLayers` builds its index
+from the TOC with a few range requests, and its chunks are fetched by range
+on first read (`aenv.images.lazy`); anything unexpected there falls back to
+the full download. Such layers are not uploaded (any node indexes them as
+cheaply from the registry).
+
 Trees are built on demand from the layer indexes (`tree(key)`) and handed to
 the FUSE file system, which reads content through the cache. A chunk that is
 not in the cache is fetched from the object store (one blob, verified), else
@@ -44,8 +51,10 @@ import trio
 from aenv.images.cache import ChunkCache
 from aenv.images.catalog import CatalogEntry, ImageCatalog
 from aenv.images.convert import ChunkCutter, ConversionError, LayerConverter
+from aenv.images.lazy import TocLayers
 from aenv.images.objects import ChunkSink, ChunkStore, LayerOrphaned, LayerUploads, layer_key
 from aenv.images.registry import RegistryClient, RegistryError
+from aenv.images.toc import TocError
 from aenv.kit.errors import first_leaf
 from aenv.kit.files import write_atomic
 from aenv.proto import layerindex
@@ -265,6 +274,12 @@ class ImageStore:
         self.uploads = LayerUploads(
             root=root / "uploads", load_index=self.load_index, cached=cache.peek, recut=self.recut
         )
+        self.toc_layers = TocLayers(registry, on_bytes=self._downloaded, limiter=self._limiter)
+        self._chunk_sizes: dict[str, dict[str, int]] = {}  # TOC layer -> chunk digest -> size
+        self._background: trio.Nursery | None = None  # prefetches (set with the object store)
+
+    def _downloaded(self, n: int) -> None:
+        self.bytes_downloaded += n
 
     def use_object_store(self, objects: ChunkStore | None, nursery: trio.Nursery) -> None:
         """Share converted layers through `objects` (None: keep them local).
@@ -273,6 +288,7 @@ class ImageStore:
         are resumed now.
         """
         self.objects = objects
+        self._background = nursery
         if objects is not None:
             self.uploads.start(objects, nursery)
 
@@ -481,13 +497,32 @@ class ImageStore:
         async with lock:
             path = self._index_path(desc.digest)
             try:
-                return await trio.to_thread.run_sync(self.load_index, desc.digest)
+                kept = await trio.to_thread.run_sync(self.load_index, desc.digest)
             except FileNotFoundError:
                 pass
             except layerindex.BadIndex as exc:
                 log.warning("layer index %s is corrupt (%s); converting again", path.name, exc)
+            else:
+                if self.toc_layers.reusable(kept, desc):
+                    return kept
+                log.warning(
+                    "layer %s: the kept index was built from a TOC this image does not pin; "
+                    "indexing it again",
+                    desc.digest[:19],
+                )
+                self._chunk_lists.pop(desc.digest, None)
+                self._chunk_sizes.pop(desc.digest, None)
+                self.toc_layers.forget(desc.digest)
             index = await self._index_from_store(desc, diff_id)
             if index is not None:
+                return index
+            # eStargz / zstd:chunked: the index from the TOC, the blob fetched by range on
+            # reads. Not uploaded: any node indexes it from the registry as cheaply.
+            index = await self.toc_layers.index(ref, desc, diff_id)
+            if index is not None:
+                await trio.to_thread.run_sync(write_atomic, path, layerindex.dumps(index))
+                if self._background is not None and self.toc_layers.prioritized(index):
+                    self._background.start_soon(self._prefetch, ref, index)
                 return index
             stored: list[str] = []  # chunks new to the cache, dropped if this fails
 
@@ -605,7 +640,45 @@ class ImageStore:
         data = await self._chunk_from_store(chunk)
         if data is not None:
             return data
+        index, _ = await trio.to_thread.run_sync(self._layer_chunks, layer)
+        if index.toc:
+            return await self._chunk_from_toc(chunk, index)
         return await self._chunk_from_registry(chunk, layer)
+
+    def _put_verified(self, digest: str, data: bytes) -> None:
+        self.cache.put(digest, data, verified=True)
+
+    async def _prefetch(self, ref: ImageRef, index: LayerIndex) -> None:
+        """A TOC layer's prioritized files into the cache (at most an eighth of it)."""
+        await self.toc_layers.prefetch(
+            ref,
+            index,
+            budget=self.cache.max_bytes // 8,
+            cached=self.cache.__contains__,
+            put=self._put_verified,
+        )
+
+    async def _chunk_from_toc(self, chunk: Chunk, index: LayerIndex) -> bytes:
+        """`chunk` of a TOC-indexed layer: its span (and the next ones) by range."""
+        ref = await trio.to_thread.run_sync(self._source, index.digest)
+        sizes = self._chunk_sizes.get(index.digest)
+        if sizes is None:
+            sizes = {c.digest: c.size for e in index.entries for c in e.chunks}
+            self._chunk_sizes[index.digest] = sizes
+
+        try:
+            return await self.toc_layers.fetch(
+                ref,
+                index,
+                chunk,
+                sizes=sizes,
+                cached=self.cache.__contains__,
+                put=self._put_verified,
+            )
+        except (TocError, RegistryError) as exc:
+            raise ChunkRefetchError(
+                f"chunk {chunk.digest[:19]} of layer {index.digest[:19]} ({index.toc}): {exc}"
+            ) from exc
 
     async def _chunk_from_store(self, chunk: Chunk) -> bytes | None:
         store = self._store_usable()

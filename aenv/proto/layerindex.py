@@ -14,6 +14,13 @@ entries of kind WHITEOUT and OPAQUE; merging layers into one tree is
 `aenv.proto.imagetree`'s job. Paths are relative, normalised, without a
 leading `./` or `/`; the layer root itself is the path "".
 
+A layer in a TOC-indexed format (eStargz, zstd:chunked) is indexed from its
+table of contents without downloading the blob (`aenv.images.toc`): its
+chunks are the TOC's, of any size, and `spans` says where each one's
+compressed bytes sit in the blob (an independent gzip member or zstd frame,
+so it can be fetched with one range request); `Chunk.offset` is then the
+start of that span, not a tar stream offset, and `toc` names the format.
+
 The serialised form is JSON (one object), versioned; `dumps`/`loads` round
 trip exactly and `loads` rejects anything malformed with `BadIndex`.
 """
@@ -34,6 +41,7 @@ __all__ = [
     "Entry",
     "Kind",
     "LayerIndex",
+    "Span",
     "dumps",
     "loads",
 ]
@@ -81,6 +89,15 @@ class Entry:
     chunks: tuple[Chunk, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where a TOC chunk's compressed bytes are in its layer blob."""
+
+    start: int  # first byte of the gzip member(s) / zstd frame(s) holding the chunk
+    end: int  # one past their last byte
+    inner: int  # offset of the chunk in what [start, end) decompresses to
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerIndex:
     digest: str  # digest of the blob as the registry serves it (compressed)
@@ -88,6 +105,9 @@ class LayerIndex:
     media_type: str
     size: int  # compressed size
     entries: tuple[Entry, ...]
+    toc: str = ""  # "estargz" or "zstd:chunked" when indexed from the blob's TOC
+    toc_digest: str = ""  # the TOC digest the layer's descriptor pinned (toc only)
+    spans: dict[str, Span] = field(default_factory=dict)  # chunk digest -> span (toc only)
 
     @property
     def content_bytes(self) -> int:
@@ -112,7 +132,7 @@ def _entry_to_json(e: Entry) -> dict[str, Any]:
 
 
 def dumps(index: LayerIndex) -> bytes:
-    doc = {
+    doc: dict[str, Any] = {
         "version": FORMAT_VERSION,
         "digest": index.digest,
         "diffID": index.diff_id,
@@ -120,6 +140,12 @@ def dumps(index: LayerIndex) -> bytes:
         "size": index.size,
         "entries": [_entry_to_json(e) for e in index.entries],
     }
+    if index.toc:
+        doc["toc"] = {
+            "format": index.toc,
+            "digest": index.toc_digest,
+            "spans": {d: [s.start, s.end, s.inner] for d, s in sorted(index.spans.items())},
+        }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -195,10 +221,39 @@ def loads(raw: bytes) -> LayerIndex:
     entries = doc.get("entries")
     if not isinstance(entries, list):
         raise BadIndex("entries is not a list")
-    return LayerIndex(
+    index = LayerIndex(
         digest=_str(doc.get("digest"), "digest"),
         diff_id=_str(doc.get("diffID"), "diffID"),
         media_type=_str(doc.get("mediaType"), "mediaType"),
         size=_int(doc.get("size"), "size"),
         entries=tuple(_entry_from_json(e) for e in entries),
+        **_toc_from_json(doc.get("toc")),
     )
+    if index.toc:
+        for e in index.entries:
+            for c in e.chunks:
+                if c.digest not in index.spans:
+                    raise BadIndex(f"chunk {c.digest} of {e.path!r} has no span")
+    return index
+
+
+def _toc_from_json(raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadIndex("toc is not an object")
+    fmt = _str(raw.get("format"), "toc format")
+    if fmt not in ("estargz", "zstd:chunked"):
+        raise BadIndex(f"unknown toc format {fmt!r}")
+    spans_raw = raw.get("spans")
+    if not isinstance(spans_raw, dict):
+        raise BadIndex("toc spans is not an object")
+    spans = {}
+    for digest, s in spans_raw.items():
+        if not isinstance(s, list) or len(s) != 3:
+            raise BadIndex("span is not [start, end, inner]")
+        start, end, inner = (_int(v, "span offset") for v in s)
+        if end <= start:
+            raise BadIndex(f"span of {digest!r} is empty")
+        spans[digest] = Span(start, end, inner)
+    return {"toc": fmt, "toc_digest": _str(raw.get("digest"), "toc digest"), "spans": spans}

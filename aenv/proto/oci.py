@@ -227,6 +227,12 @@ class Descriptor:
     size: int
     platform: Platform | None = None
     urls: tuple[str, ...] = ()
+    # (key, value) pairs of the descriptor's string annotations, sorted; e.g. the
+    # TOC digest of an eStargz or zstd:chunked layer (aenv.images.toc)
+    annotations: tuple[tuple[str, str], ...] = ()
+
+    def annotation(self, key: str) -> str | None:
+        return next((v for k, v in self.annotations if k == key), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +283,12 @@ def _descriptor(value: Any, what: str) -> Descriptor:
     urls = d.get("urls") or []
     if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
         raise BadManifest(f"{what}.urls must be a list of strings")
-    return Descriptor(media_type, digest, size, platform, tuple(urls))
+    raw = d.get("annotations") or {}
+    if not isinstance(raw, dict):
+        raise BadManifest(f"{what}.annotations must be a JSON object")
+    # non-string values are not OCI annotations: ignored rather than refused
+    notes = tuple(sorted((k, v) for k, v in raw.items() if isinstance(v, str)))
+    return Descriptor(media_type, digest, size, platform, tuple(urls), notes)
 
 
 def _bare_type(content_type: str) -> str:

@@ -435,6 +435,17 @@ async def test_dropped_download_resumes_with_range(registry: Registry) -> None:
     assert b"range: bytes=" in blob_requests[1]
 
 
+async def test_blob_range_returns_exactly_that_range(single: Pushed) -> None:
+    async with open_registry_client(config=_config()) as client:
+        ref = parse_reference(single.ref)
+        image = await client.resolve(ref)
+        desc, blob = image.layers[0], single.layers[0]
+        assert await client.blob_range(ref, desc, 3, 40) == blob[3:40]
+        assert await client.blob_range(ref, desc, len(blob) - 5, len(blob)) == blob[-5:]
+        with pytest.raises(ValueError):
+            await client.blob_range(ref, desc, 0, len(blob) + 1)
+
+
 async def test_allowlist_refuses_other_registries(single: Pushed) -> None:
     config = _config(allowlist={"ghcr.io"})
     async with open_registry_client(config=config) as client:
