@@ -1,7 +1,7 @@
 """Creates from the pool: bursts of concurrent creates through the real e2b SDK.
 
 Rules: a node of this module's own (private home with the built bundle and
-templates linked, netns prefix `aenvq` and slots in 10.242.0.0/16, both
+templates linked, netns prefix `aenvpb` and slots in 10.217.0.0/16, both
 overridable), its pool small and quick to shrink (`AENV_POOL_SIZE=1`,
 `AENV_POOL_MAX=6`, `AENV_POOL_HALF_LIFE=20`);
 loopback only; every sandbox created is killed. Behaviour, not timing: every
@@ -42,8 +42,8 @@ pytestmark = [requires_node, pytest.mark.runsc, pytest.mark.slow]
 
 TEMPLATE = os.environ.get("AENV_TEST_TEMPLATE", "base")
 BURST = 6
-PREFIX = os.environ.get("AENV_TEST_POOL_PREFIX", "aenvq")
-SLOT_CIDR = os.environ.get("AENV_TEST_POOL_CIDR", "10.242.0.0/16")
+PREFIX = os.environ.get("AENV_TEST_POOL_PREFIX", "aenvpb")
+SLOT_CIDR = os.environ.get("AENV_TEST_POOL_CIDR", "10.217.0.0/16")
 
 
 @pytest.fixture(scope="module")
