@@ -181,9 +181,11 @@ async def watch_memory(
     kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
     alive: Callable[[int], bool] = _alive,
     report: Callable[[str], None] | None = None,
+    spare: Iterable[int] = (),
 ) -> None:
-    """Forever: when the guest's memory is used up, kill the largest process."""
-    spare = {1, os.getpid()}
+    """Forever: when the guest's memory is used up, kill the largest process
+    (never envd, nor the processes in `spare`)."""
+    spare = {1, os.getpid(), *spare}
     pending: tuple[int, float] | None = None  # the latest victim and when it was killed
     say = report or _console
     while True:

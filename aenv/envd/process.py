@@ -32,6 +32,7 @@ import trio
 
 from aenv.envd.guard import limit_processes
 from aenv.envd.rpc import CallContext, SendMessage
+from aenv.envd.spawner import SpawnedProcess, SpawnerClient, Unavailable
 from aenv.envd.state import EnvdState
 from aenv.envd.users import User, UserDB, process_env, resolve_path
 from aenv.proto.connect import Code, ConnectError
@@ -113,7 +114,7 @@ class ManagedProcess:
     master_fd: int | None = None
     stdin: trio.abc.SendStream | None = None
     pty_stream: trio.lowlevel.FdStream | None = None
-    proc: trio.Process | None = None
+    proc: trio.Process | SpawnedProcess | None = None
     subscribers: set[trio.MemorySendChannel[Message]] = field(default_factory=set)
     end: Message | None = None
     ended: trio.Event = field(default_factory=trio.Event)
@@ -164,8 +165,10 @@ class ProcessService:
         state: EnvdState,
         users: UserDB,
         resolve_user: Callable[[CallContext], User],
+        spawner: SpawnerClient | None = None,
     ) -> None:
         self._nursery = nursery
+        self._spawner = spawner
         self._state = state
         self._users = users
         self._resolve_user = resolve_user
@@ -264,7 +267,7 @@ class ProcessService:
         user: User,
         pty: Message | None,
         stdin_enabled: bool,
-    ) -> trio.Process:
+    ) -> trio.Process | SpawnedProcess:
         groups = self._users.groups_of(user)
         common: dict[str, Any] = {
             "env": env,
@@ -300,6 +303,24 @@ class ProcessService:
             mp.master_fd = master
             mp.pty_stream = trio.lowlevel.FdStream(master)
             return proc
+        if self._spawner is not None and limit is not None:
+            # the resident spawner holds the limit: no Python between fork and exec
+            try:
+                spawned = await self._spawner.spawn(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    uid=user.uid,
+                    gid=user.gid,
+                    groups=groups,
+                    limit=limit,
+                    stdin_enabled=stdin_enabled,
+                )
+            except Unavailable:
+                pass
+            else:
+                mp.stdin = spawned.stdin
+                return spawned
         proc = await trio.lowlevel.open_process(
             argv,
             stdin=subprocess.PIPE if stdin_enabled else subprocess.DEVNULL,

@@ -23,6 +23,7 @@ from hypercorn.trio import serve
 
 from aenv.envd.app import EnvdApp
 from aenv.envd.guard import DEFAULT_PROCESS_LIMIT, reap_orphans, watch_memory
+from aenv.envd.spawner import SpawnerClient, fork_spawner
 from aenv.envd.state import EnvdState
 
 DEFAULT_PORT = 49983
@@ -124,13 +125,22 @@ async def serve_envd(
     (`aenv.envd.guard`: only as a sandbox's pid 1, never on a host)."""
     guard_hypercorn_h2()
     guard_hypercorn_idle_close()
+    spawner = None
+    if guard:  # forked first, while envd has no thread (aenv.envd.spawner)
+        try:
+            spawner = SpawnerClient(*fork_spawner(DEFAULT_PROCESS_LIMIT))
+        except OSError:
+            log.exception("could not start the spawner; envd spawns processes itself")
     async with trio.open_nursery() as services:
         if state is None:
             state = EnvdState()
+        if spawner is not None:
+            services.start_soon(spawner.run)
         if guard:
             state.process_limit = DEFAULT_PROCESS_LIMIT
-            services.start_soon(watch_memory)
-        app = EnvdApp(services, state=state)
+            spared = (spawner.pid,) if spawner is not None else ()
+            services.start_soon(lambda: watch_memory(spare=spared))
+        app = EnvdApp(services, state=state, spawner=spawner)
         if guard:
             services.start_soon(reap_orphans, app.process.live.keys)
         config = hypercorn_config(host, port, access_log=access_log)
