@@ -188,7 +188,11 @@ class SpawnerClient:
         self._lock = trio.Lock()
         self._reply: trio.MemorySendChannel[dict[str, Any]] | None = None
         self._children: dict[int, SpawnedProcess] = {}
-        self.alive = True
+        self.gone = trio.Event()
+
+    @property
+    def alive(self) -> bool:
+        return not self.gone.is_set()
 
     async def run(self) -> None:
         """Read the spawner's messages until it goes (then envd waits for its children)."""
@@ -210,7 +214,7 @@ class SpawnerClient:
                         msg["process"] = self._children[msg["pid"]] = SpawnedProcess(msg["pid"])
                     self._reply.send_nowait(msg)
         finally:
-            self.alive = False
+            self.gone.set()
             if self._reply is not None:
                 self._reply.close()
             self._sock.close()
