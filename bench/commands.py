@@ -22,6 +22,12 @@ Inside the sandbox, once: the time `sh` takes to spawn `/bin/true`, and
 read off the guest's clock.
 
     sudo .venv/bin/python bench/commands.py [--n 30] [--template base]
+        [--home DIR [--home DIR ...]] [--rounds R]
+
+With several `--home`s (homes whose bundles hold different envd builds,
+templates linked from one), each gets its own node and sandbox, in turn,
+`--rounds` times, and the table shows them side by side, each against the
+`runsc exec` floor of its own sandbox.
 
 Env: AENV_TEST_HOME (the built home), AENV_BENCH_NET_PREFIX and
 AENV_BENCH_SLOT_CIDR (as bench/run.py). Writes bench/results/commands-*.json.
@@ -167,32 +173,30 @@ def measure(sbx: Any, node: Any, runsc_cmd: list[str], n: int) -> dict[str, Seri
     return res
 
 
-def table(res: dict[str, Series]) -> str:
-    floor = res["floor_runsc_exec"]
-    f50 = percentile(floor.samples, 50) if floor.samples else None
-    lines = [f"{'operation':<46} {'p50 ms':>8} {'p95 ms':>8} {'÷ runsc exec p50':>17}"]
-    for label, key in ROWS:
-        s = res[key]
-        if not s.samples:
-            lines.append(f"{label:<46} {'-':>8} {'-':>8} {s.error or '':>17}")
-            continue
-        p50, p95 = percentile(s.samples, 50), percentile(s.samples, 95)
-        ratio = f"{p50 / f50:.2f}x" if f50 else ""
-        lines.append(f"{label:<46} {p50:8.1f} {p95:8.1f} {ratio:>17}")
+def table(runs: dict[str, dict[str, Series]]) -> str:
+    """One block of columns per home: p50, p95 and p50 ÷ that home's runsc exec p50."""
+    head = f"{'operation':<46}"
+    for label in runs:
+        head += f" | {label[:24]:<24}"
+    sub = f"{'':<46}" + " | {:>7} {:>7} {:>8}".format("p50 ms", "p95 ms", "÷ floor") * len(runs)
+    lines = [head, sub]
+    for row_label, key in ROWS:
+        line = f"{row_label:<46}"
+        for res in runs.values():
+            s, floor = res[key], res["floor_runsc_exec"]
+            if not s.samples:
+                line += f" | {'-':>7} {'-':>7} {'':>8}"
+                continue
+            p50, p95 = percentile(s.samples, 50), percentile(s.samples, 95)
+            f50 = percentile(floor.samples, 50) if floor.samples else None
+            ratio = f"{p50 / f50:.2f}x" if f50 else ""
+            line += f" | {p50:7.1f} {p95:7.1f} {ratio:>8}"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, default=30)
-    p.add_argument("--template", default="base")
-    p.add_argument("--home", type=Path)
-    args = p.parse_args(argv)
-    home = (
-        args.home or Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")
-    ).resolve()
-    started = datetime.datetime.now(datetime.UTC)
-    load_start = loadavg()
+def measure_home(home: Path, template: str, n: int) -> dict[str, Series]:
+    """One node on `home`, one sandbox, `n` rounds of every operation."""
     workdir = Path(tempfile.mkdtemp(prefix="aenv-bench-cmd-"))
     private = workdir / "home"
     private.mkdir()
@@ -208,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         from e2b import Sandbox
 
         with _sdk_env(node):
-            sbx = Sandbox.create(args.template, timeout=600)
+            sbx = Sandbox.create(template, timeout=600)
             try:
                 state_root = private / "run" / "runsc"
                 cid = container_id(state_root, sbx.sandbox_id)
                 runsc = os.environ.get("AENV_RUNSC", "runsc")
                 runsc_cmd = [runsc, "--root", str(state_root), "exec", cid, "/bin/true"]
-                res = measure(sbx, node, runsc_cmd, args.n)
+                return measure(sbx, node, runsc_cmd, n)
             finally:
                 with contextlib.suppress(Exception):
                     sbx.kill()
@@ -224,16 +228,53 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0 or left:
             print(f"--- node log (exit {code}) ---\n{node.log_tail(40)}", file=sys.stderr)
         shutil.rmtree(workdir, ignore_errors=True)
-    print(table(res))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=30, help="samples per operation and round")
+    p.add_argument("--template", default="base")
+    p.add_argument(
+        "--home",
+        type=Path,
+        action="append",
+        help="a built home (repeat to compare envd bundles; default $AENV_TEST_HOME)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the homes in turn this many times (samples pooled)",
+    )
+    args = p.parse_args(argv)
+    homes = [
+        h.resolve()
+        for h in args.home or [Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")]
+    ]
+    started = datetime.datetime.now(datetime.UTC)
+    load_start = loadavg()
+    runs: dict[str, dict[str, Series]] = {}
+    for _ in range(args.rounds):
+        for home in homes:
+            label = str(home)
+            print(f"{label}: n={args.n} ...", flush=True)
+            got = measure_home(home, args.template, args.n)
+            if label not in runs:
+                runs[label] = got
+            else:
+                for key, series in got.items():
+                    runs[label][key].samples += series.samples
+    print(table(runs))
     load_end = loadavg()
     print(f"\nload average {load_start} at start, {load_end} at end; {os.cpu_count()} CPUs")
     report = {
         "started": started.isoformat(),
         "n": args.n,
+        "rounds": args.rounds,
         "template": args.template,
         "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
                  "loadavg_start": load_start, "loadavg_end": load_end},
-        "results": {k: s.to_json() for k, s in res.items()},
+        "homes": {label: {k: s.to_json() for k, s in res.items()} for label, res in runs.items()},
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"commands-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
