@@ -106,7 +106,10 @@ def _spawn(
         resource.setrlimit(resource.RLIMIT_NPROC, (req["limit"], req["limit"]))
         held[0] = req["limit"]
     kw: dict[str, Any] = {}
-    if os.getuid() == 0:
+    same = (req["uid"], req["gid"]) == (os.getuid(), os.getgid()) and sorted(
+        set(req["groups"])
+    ) == sorted(set(os.getgroups()))
+    if os.getuid() == 0 and not same:  # (credentials to set: fork; else vfork, cheaper)
         kw.update(user=req["uid"], group=req["gid"], extra_groups=req["groups"])
     try:
         popen = subprocess.Popen(
