@@ -181,11 +181,11 @@ async def watch_memory(
     kill: Callable[[int], None] = lambda pid: os.kill(pid, signal.SIGKILL),
     alive: Callable[[int], bool] = _alive,
     report: Callable[[str], None] | None = None,
-    spare: Iterable[int] = (),
+    spare: Callable[[], Iterable[int]] = tuple,
 ) -> None:
     """Forever: when the guest's memory is used up, kill the largest process
-    (never envd, nor the processes in `spare`)."""
-    spare = {1, os.getpid(), *spare}
+    (never envd, nor the processes `spare()` names)."""
+    me = {1, os.getpid()}
     pending: tuple[int, float] | None = None  # the latest victim and when it was killed
     say = report or _console
     while True:
@@ -200,7 +200,7 @@ async def watch_memory(
             ):
                 await trio.sleep(POLL_MIN_S)
                 continue
-            chosen = victim(procs(), spare)
+            chosen = victim(procs(), me | set(spare()))
             if chosen is not None:
                 try:
                     kill(chosen.pid)

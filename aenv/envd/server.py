@@ -136,12 +136,10 @@ async def serve_envd(
             state = EnvdState()
         if spawner is not None:
             services.start_soon(spawner.run)
-        if guard:
-            state.process_limit = DEFAULT_PROCESS_LIMIT
-            spared = (spawner.pid,) if spawner is not None else ()
-            services.start_soon(lambda: watch_memory(spare=spared))
         app = EnvdApp(services, state=state, spawner=spawner)
         if guard:
+            state.process_limit = DEFAULT_PROCESS_LIMIT
+            services.start_soon(lambda: watch_memory(spare=app.process.spawner_pids))
             services.start_soon(reap_orphans, app.process.live.keys)
         config = hypercorn_config(host, port, access_log=access_log)
         trigger = _wait_for_signal if handle_signals else None

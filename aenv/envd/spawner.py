@@ -51,6 +51,11 @@ class Unavailable(Exception):
     """The spawner cannot serve this request: spawn in envd instead."""
 
 
+class LimitTooHigh(Unavailable):
+    """The request's limit is above the spawner's, which it cannot raise:
+    a new spawner, forked with that limit, can serve it."""
+
+
 # ------------------------------------------------------------- the spawner
 
 
@@ -191,7 +196,14 @@ class SpawnerClient:
         self._lock = trio.Lock()
         self._reply: trio.MemorySendChannel[dict[str, Any]] | None = None
         self._children: dict[int, SpawnedProcess] = {}
+        self._retired = False
         self.gone = trio.Event()
+
+    def retire(self) -> None:
+        """Take no more requests; let the spawner go once its children have exited."""
+        self._retired = True
+        if not self._children:
+            self._sock.close()  # (the reader sees it closed and ends; the spawner, EOF)
 
     @property
     def alive(self) -> bool:
@@ -203,7 +215,7 @@ class SpawnerClient:
             while True:
                 try:
                     data = await self._sock.recv(MAX_MESSAGE)
-                except OSError:
+                except (OSError, trio.ClosedResourceError):
                     data = b""
                 if not data:
                     break
@@ -212,6 +224,8 @@ class SpawnerClient:
                     child = self._children.pop(msg["exit"], None)
                     if child is not None:
                         child._set_exit(msg["returncode"])
+                    if self._retired and not self._children:
+                        break
                 elif self._reply is not None:
                     if "pid" in msg:  # known before its exit can arrive (the next message)
                         msg["process"] = self._children[msg["pid"]] = SpawnedProcess(msg["pid"])
@@ -265,7 +279,7 @@ class SpawnerClient:
 
         Raises OSError for the spawn's own errors, `Unavailable` when envd
         should spawn it itself."""
-        if not self.alive:
+        if not self.alive or self._retired:
             raise Unavailable("spawner unavailable")
         req = {
             "argv": argv,
@@ -305,6 +319,8 @@ class SpawnerClient:
                 return proc
             if "errno" in reply:
                 raise OSError(reply["errno"], reply["message"])
+            if reply.get("unavailable") == "limit":
+                raise LimitTooHigh("limit above the spawner's")
             raise Unavailable(str(reply.get("unavailable")))
         except OSError as e:
             if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):

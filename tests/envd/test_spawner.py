@@ -19,7 +19,10 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 
+from aenv.envd.process import ProcessService
 from aenv.envd.spawner import SpawnedProcess, SpawnerClient, Unavailable, fork_spawner
+from aenv.envd.state import EnvdState
+from aenv.envd.users import UserDB
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LIMIT = 4096
@@ -132,3 +135,28 @@ async def test_a_gone_spawner_is_unavailable_and_its_children_still_end(
         await spawner.gone.wait()
     with pytest.raises(Unavailable):
         await spawn(spawner, "true")
+
+
+async def test_a_higher_limit_gets_a_spawner_of_its_own(spawner: SpawnerClient) -> None:
+    # a memory image of a smaller sandbox restored as a larger one: /init
+    # raises the limit, which the spawner cannot follow; envd forks another
+    user = UserDB().lookup("root" if os.getuid() == 0 else str(os.getuid()))
+    async with trio.open_nursery() as nursery:
+        service = ProcessService(nursery, EnvdState(), UserDB(), lambda ctx: user, spawner=spawner)
+        script = ["/bin/sh", "-c", "grep '^Max processes' /proc/self/limits"]
+        env = {"PATH": PATH}
+        groups = [os.getgid()]
+        limits = []
+        for limit in (100, 200):
+            proc = await service._via_spawner(script, env, "/", user, groups, limit, False)
+            assert proc is not None
+            limits.append((await read_all(proc.stdout)).split()[2:4])
+            await proc.wait()
+        assert limits == [[b"100"] * 2, [b"200"] * 2]
+        fresh = service.spawner_pids()
+        assert fresh and fresh != [spawner.pid]
+        with trio.fail_after(10):
+            await spawner.gone.wait()  # the old one, retired with no child left, went
+        os.kill(fresh[0], signal.SIGKILL)
+        await trio.to_thread.run_sync(os.waitpid, fresh[0], 0)
+        nursery.cancel_scope.cancel()
