@@ -19,8 +19,10 @@ pair; it answers with the pid or the spawn's error, and later with each
 child's exit status (it is their parent and waits for them). Orphans of
 those children are still handed to pid 1, envd, which collects them.
 
-`SpawnerClient` is envd's side (trio). Whenever the spawner cannot serve
-a request (not started, a different limit than it holds, the limit met by
+`SpawnerClient` is envd's side (trio). A lower limit (from `/init`) the
+spawner takes on for good; a higher one it cannot (`LimitTooHigh`), and
+envd forks a new spawner at that limit, retiring the old one. Whenever the
+spawner cannot serve a request otherwise (not started, the limit met by
 root's processes, gone), envd spawns the process itself as before; a
 process whose spawner is gone is waited for by envd, its new parent.
 """
