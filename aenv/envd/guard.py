@@ -16,7 +16,9 @@ the sandbox's logs and metrics.
 Processes: envd starts every user process with `RLIMIT_NPROC` at the
 sandbox's process limit (gVisor enforces it per user, threads included), so
 a fork bomb gets `EAGAIN` while envd, whose own limit stays unlimited,
-keeps starting commands.
+keeps starting commands. (Most are forked by envd's spawner, which holds
+the limit as its own so that no code runs between fork and exec:
+`aenv.envd.spawner`; `limit_processes` is for the rest.)
 
 Orphans: a process whose parent exits is handed to pid 1, envd, which must
 collect it when it exits, as init does; a zombie left uncollected keeps its
