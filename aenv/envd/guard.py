@@ -46,10 +46,9 @@ from pathlib import Path
 
 import trio
 
+from aenv.envd.spawnd import DEFAULT_PROCESS_LIMIT as DEFAULT_PROCESS_LIMIT
 from aenv.proto.oomevent import OomKill, format_kill
 
-# Processes (threads included) one user may run at once, unless /init says otherwise.
-DEFAULT_PROCESS_LIMIT = 1024
 # Kill when less than this share of the sandbox's memory is free ...
 RESERVE_PCT = 1.0
 # ... and look again after at most POLL_MAX_S, at least POLL_MIN_S, sooner the

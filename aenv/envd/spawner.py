@@ -10,8 +10,10 @@ many of the parent's pages: ≈ 40 ms of a ≈ 65 ms spawn here
 envd (root, without CAP_SYS_RESOURCE inside the sandbox) could never raise
 it again, and gVisor enforces it for root too.
 
-So envd forks one helper at its start (captured in every memory snapshot
-with envd) that holds the limit as its own, hard and soft; a process it
+So envd forks one helper at its start, before it imports anything large
+(`aenv.envd.spawnd`, stdlib only: a fork of the full envd cost ≈ 19 MiB of
+host memory per sandbox, its heap copied page by page as envd touched it),
+captured in every memory snapshot with envd, that holds the limit as its own, hard and soft; a process it
 starts inherits it without any code between fork and exec. envd sends it
 a request (argv, env, cwd, uid, gid, groups, limit) with the child's
 stdin, stdout and stderr as file descriptors over a SOCK_SEQPACKET socket
@@ -33,19 +35,17 @@ import contextlib
 import errno
 import json
 import os
-import resource
-import select
 import signal
 import socket
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
-MAX_MESSAGE = 1 << 20
-FDS = 3  # stdin, stdout, stderr
+from aenv.envd.spawnd import MAX_MESSAGE, fork_spawner
+
+__all__ = ["LimitTooHigh", "SpawnedProcess", "SpawnerClient", "Unavailable", "fork_spawner"]
+
 ORPHAN_POLL_S = 0.05
 
 
@@ -56,110 +56,6 @@ class Unavailable(Exception):
 class LimitTooHigh(Unavailable):
     """The request's limit is above the spawner's, which it cannot raise:
     a new spawner, forked with that limit, can serve it."""
-
-
-# ------------------------------------------------------------- the spawner
-
-
-def _serve(sock: socket.socket, limit: int) -> None:  # pragma: no cover (runs in the guest)
-    """The spawner's loop: never returns."""
-    held = [limit]
-    resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: dict[int, subprocess.Popen[bytes]] = {}
-    while True:
-        try:
-            ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_r, 4096)
-        for pid, popen in list(children.items()):
-            code = popen.poll()
-            if code is not None:
-                del children[pid]
-                sock.send(json.dumps({"exit": pid, "returncode": code}).encode())
-        if sock.fileno() not in ready:
-            continue
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, FDS)
-        except OSError:
-            os._exit(0)
-        if not data:  # envd is gone
-            os._exit(0)
-        try:
-            reply = _spawn(json.loads(data), fds, children, held)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        sock.send(json.dumps(reply).encode())
-
-
-def _spawn(
-    req: dict[str, Any],
-    fds: list[int],
-    children: dict[int, subprocess.Popen[bytes]],
-    held: list[int],
-) -> dict[str, Any]:  # pragma: no cover (runs in the guest)
-    if len(fds) != FDS:
-        return {"unavailable": "file descriptors"}
-    if req["limit"] != held[0]:
-        if req["limit"] > held[0]:  # (raising it back would need CAP_SYS_RESOURCE)
-            return {"unavailable": "limit"}
-        resource.setrlimit(resource.RLIMIT_NPROC, (req["limit"], req["limit"]))
-        held[0] = req["limit"]
-    kw: dict[str, Any] = {}
-    same = (req["uid"], req["gid"]) == (os.getuid(), os.getgid()) and sorted(
-        set(req["groups"])
-    ) == sorted(set(os.getgroups()))
-    if os.getuid() == 0 and not same:  # (credentials to set: fork; else vfork, cheaper)
-        kw.update(user=req["uid"], group=req["gid"], extra_groups=req["groups"])
-    try:
-        popen = subprocess.Popen(
-            req["argv"],
-            stdin=fds[0],
-            stdout=fds[1],
-            stderr=fds[2],
-            env=req["env"],
-            cwd=req["cwd"],
-            close_fds=True,
-            restore_signals=True,
-            process_group=0,
-            **kw,
-        )
-    except BlockingIOError:  # root's processes at the limit: envd spawns it
-        return {"unavailable": "limit reached"}
-    except OSError as e:
-        return {"errno": e.errno or errno.EINVAL, "message": e.strerror or str(e)}
-    except Exception as e:
-        return {"unavailable": str(e)}
-    children[popen.pid] = popen
-    return {"pid": popen.pid}
-
-
-def fork_spawner(limit: int) -> tuple[int, socket.socket]:
-    """Fork the spawner off this process (call before any thread starts);
-    returns its pid and envd's end of the socket."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        try:
-            ours.close()
-            os.closerange(3, theirs.fileno())
-            os.closerange(theirs.fileno() + 1, 1 << 16)
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
-                signal.signal(sig, signal.SIG_DFL)
-            signal.set_wakeup_fd(-1)
-            _serve(theirs, limit)
-        except BaseException as e:
-            print(f"aenv.envd.spawner: {e!r}", file=sys.stderr, flush=True)
-        os._exit(1)
-    theirs.close()
-    return pid, ours
 
 
 # -------------------------------------------------------- envd's side (trio)
