@@ -25,6 +25,7 @@ from aenv.envd.files_http import FilesAPI
 from aenv.envd.filesystem import FilesystemService
 from aenv.envd.process import ProcessService
 from aenv.envd.rpc import CallContext, ConnectRouter
+from aenv.envd.spawner import SpawnerClient
 from aenv.envd.state import EnvdState, InitError
 from aenv.envd.users import UnknownUser, User, UserDB
 from aenv.proto import jsonbody
@@ -52,12 +53,19 @@ def basic_username(header: str | None) -> str | None:
 
 class EnvdApp:
     def __init__(
-        self, nursery: trio.Nursery, *, state: EnvdState | None = None, users: UserDB | None = None
+        self,
+        nursery: trio.Nursery,
+        *,
+        state: EnvdState | None = None,
+        users: UserDB | None = None,
+        spawner: SpawnerClient | None = None,
     ) -> None:
         self.state = state or EnvdState()
         self.users = users or UserDB()
         self.started_at = time.time()
-        self.process = ProcessService(nursery, self.state, self.users, self.rpc_user)
+        self.process = ProcessService(
+            nursery, self.state, self.users, self.rpc_user, spawner=spawner
+        )
         self.filesystem = FilesystemService(nursery, self.state, self.users, self.rpc_user)
         self.router = ConnectRouter({**self.process.handlers(), **self.filesystem.handlers()})
         self.files = FilesAPI(self.state, self.users)

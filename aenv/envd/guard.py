@@ -20,7 +20,9 @@ the sandbox's logs and metrics.
 Processes: envd starts every user process with `RLIMIT_NPROC` at the
 sandbox's process limit (gVisor enforces it per user, threads included), so
 a fork bomb gets `EAGAIN` while envd, whose own limit stays unlimited,
-keeps starting commands.
+keeps starting commands. (Most are forked by envd's spawner, which holds
+the limit as its own so that no code runs between fork and exec:
+`aenv.envd.spawner`; `limit_processes` is for the rest.)
 
 Orphans: a process whose parent exits is handed to pid 1, envd, which must
 collect it when it exits, as init does; a zombie left uncollected keeps its
@@ -48,10 +50,9 @@ from pathlib import Path
 
 import trio
 
+from aenv.envd.spawnd import DEFAULT_PROCESS_LIMIT as DEFAULT_PROCESS_LIMIT
 from aenv.proto.oomevent import OomKill, format_kill
 
-# Processes (threads included) one user may run at once, unless /init says otherwise.
-DEFAULT_PROCESS_LIMIT = 1024
 # Kill when less than this share of the sandbox's memory is free ...
 RESERVE_PCT = 1.0
 # ... with the victim chosen in advance once less than this share is free, the
@@ -195,9 +196,11 @@ async def watch_memory(
     alive: Callable[[int], bool] = _alive,
     report: Callable[[str], None] | None = None,
     name: Callable[[int], str] = name_of,
+    spare: Callable[[], Iterable[int]] = tuple,
 ) -> None:
-    """Forever: when the guest's memory is used up, kill the largest process."""
-    spare = {1, os.getpid()}
+    """Forever: when the guest's memory is used up, kill the largest process
+    (never envd, nor the processes `spare()` names)."""
+    me = {1, os.getpid()}
     pending: tuple[int, float] | None = None  # the latest victim and when it was killed
     ready: tuple[Proc | None, float] | None = None  # the next victim and when it was chosen
     say = report or _console
@@ -213,8 +216,8 @@ async def watch_memory(
                 await trio.sleep(POLL_MIN_S)
                 continue
             chosen = ready[0] if ready is not None and now - ready[1] < READY_MAX_AGE_S else None
-            if chosen is None or not alive(chosen.pid):  # (else chosen already: no scan now)
-                chosen = victim(procs(), spare)
+            if chosen is None or not alive(chosen.pid) or chosen.pid in set(spare()):
+                chosen = victim(procs(), me | set(spare()))  # (else chosen already: no scan)
             ready = None
             if chosen is not None:
                 label = name(chosen.pid) if chosen.name == "?" else chosen.name
@@ -231,7 +234,7 @@ async def watch_memory(
                     )
         elif total > 0 and free < total * READY_PCT / 100:
             if ready is None or now - ready[1] >= READY_MAX_AGE_S:
-                ready = (victim(procs(), spare), time.monotonic())
+                ready = (victim(procs(), me | set(spare())), time.monotonic())
         else:
             ready = None
         await trio.sleep(poll_interval(max(free, 0)))

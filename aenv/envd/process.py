@@ -32,6 +32,13 @@ import trio
 
 from aenv.envd.guard import limit_processes
 from aenv.envd.rpc import CallContext, SendMessage
+from aenv.envd.spawner import (
+    LimitTooHigh,
+    SpawnedProcess,
+    SpawnerClient,
+    Unavailable,
+    fork_spawner,
+)
 from aenv.envd.state import EnvdState
 from aenv.envd.users import User, UserDB, process_env, resolve_path
 from aenv.proto.connect import Code, ConnectError
@@ -113,7 +120,7 @@ class ManagedProcess:
     master_fd: int | None = None
     stdin: trio.abc.SendStream | None = None
     pty_stream: trio.lowlevel.FdStream | None = None
-    proc: trio.Process | None = None
+    proc: trio.Process | SpawnedProcess | None = None
     subscribers: set[trio.MemorySendChannel[Message]] = field(default_factory=set)
     end: Message | None = None
     ended: trio.Event = field(default_factory=trio.Event)
@@ -164,8 +171,10 @@ class ProcessService:
         state: EnvdState,
         users: UserDB,
         resolve_user: Callable[[CallContext], User],
+        spawner: SpawnerClient | None = None,
     ) -> None:
         self._nursery = nursery
+        self._spawner = spawner
         self._state = state
         self._users = users
         self._resolve_user = resolve_user
@@ -264,7 +273,7 @@ class ProcessService:
         user: User,
         pty: Message | None,
         stdin_enabled: bool,
-    ) -> trio.Process:
+    ) -> trio.Process | SpawnedProcess:
         groups = self._users.groups_of(user)
         common: dict[str, Any] = {
             "env": env,
@@ -300,6 +309,12 @@ class ProcessService:
             mp.master_fd = master
             mp.pty_stream = trio.lowlevel.FdStream(master)
             return proc
+        if self._spawner is not None and limit is not None:
+            # the resident spawner holds the limit: no Python between fork and exec
+            spawned = await self._via_spawner(argv, env, cwd, user, groups, limit, stdin_enabled)
+            if spawned is not None:
+                mp.stdin = spawned.stdin
+                return spawned
         proc = await trio.lowlevel.open_process(
             argv,
             stdin=subprocess.PIPE if stdin_enabled else subprocess.DEVNULL,
@@ -311,6 +326,51 @@ class ProcessService:
         )
         mp.stdin = proc.stdin
         return proc
+
+    def spawner_pids(self) -> list[int]:
+        return [self._spawner.pid] if self._spawner is not None else []
+
+    async def _via_spawner(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        user: User,
+        groups: list[int],
+        limit: int,
+        stdin_enabled: bool,
+    ) -> SpawnedProcess | None:
+        """The process started by the spawner, or None: spawn it in envd."""
+        for _ in range(2):
+            spawner = self._spawner
+            if spawner is None:
+                return None
+            try:
+                return await spawner.spawn(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    uid=user.uid,
+                    gid=user.gid,
+                    groups=groups,
+                    limit=limit,
+                    stdin_enabled=stdin_enabled,
+                )
+            except LimitTooHigh:
+                # (a memory image of a smaller sandbox): a new spawner at this limit
+                if spawner is self._spawner:
+                    self._spawner = None
+                    spawner.retire()
+                    try:
+                        fresh = SpawnerClient(*fork_spawner(limit))
+                    except OSError:
+                        log.exception("could not fork a new spawner")
+                        return None
+                    self._nursery.start_soon(fresh.run)
+                    self._spawner = fresh
+            except Unavailable:
+                return None
+        return None
 
     async def _run(
         self,

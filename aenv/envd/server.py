@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 
 import trio
 from hypercorn.config import Config
@@ -23,6 +24,7 @@ from hypercorn.trio import serve
 
 from aenv.envd.app import EnvdApp
 from aenv.envd.guard import DEFAULT_PROCESS_LIMIT, reap_orphans, watch_memory
+from aenv.envd.spawner import SpawnerClient, fork_spawner
 from aenv.envd.state import EnvdState
 
 DEFAULT_PORT = 49983
@@ -117,21 +119,31 @@ async def serve_envd(
     handle_signals: bool = True,
     access_log: bool = False,
     guard: bool = False,
+    spawner: tuple[int, socket.socket] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve envd until cancelled (or a signal, when `handle_signals`); with
     `guard`, also keep the machine's memory and processes in bounds
-    (`aenv.envd.guard`: only as a sandbox's pid 1, never on a host)."""
+    (`aenv.envd.guard`: only as a sandbox's pid 1, never on a host), and
+    start user processes through `spawner` (forked by `__main__` before the
+    large imports; forked here if not given)."""
     guard_hypercorn_h2()
     guard_hypercorn_idle_close()
+    client = None
+    if guard:
+        try:
+            client = SpawnerClient(*(spawner or fork_spawner(DEFAULT_PROCESS_LIMIT)))
+        except OSError:
+            log.exception("could not start the spawner; envd spawns processes itself")
     async with trio.open_nursery() as services:
         if state is None:
             state = EnvdState()
+        if client is not None:
+            services.start_soon(client.run)
+        app = EnvdApp(services, state=state, spawner=client)
         if guard:
             state.process_limit = DEFAULT_PROCESS_LIMIT
-            services.start_soon(watch_memory)
-        app = EnvdApp(services, state=state)
-        if guard:
+            services.start_soon(lambda: watch_memory(spare=app.process.spawner_pids))
             services.start_soon(reap_orphans, app.process.live.keys)
         config = hypercorn_config(host, port, access_log=access_log)
         trigger = _wait_for_signal if handle_signals else None
@@ -150,7 +162,9 @@ async def serve_envd(
         services.cancel_scope.cancel()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(
+    argv: list[str] | None = None, *, spawner: tuple[int, socket.socket] | None = None
+) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m aenv.envd", description=__doc__)
@@ -167,6 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     trio.run(
         lambda: serve_envd(
-            host=args.host, port=args.port, access_log=args.access_log, guard=args.guard
+            host=args.host,
+            port=args.port,
+            access_log=args.access_log,
+            guard=args.guard,
+            spawner=spawner if args.guard else None,
         )
     )
