@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,23 @@ from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree
 from aenv.runtimes.base import RunningSandbox
 from aenv.storage.layers import Captured, LayerStack, LayerStore
+
+
+class Phases:
+    """Where a step's time went, for its log line: `mark(name)` ends a phase."""
+
+    def __init__(self) -> None:
+        self._t0 = self._last = time.perf_counter()
+        self._spans: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._spans.append((name, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{name} {1000 * s:.0f}" for name, s in self._spans)
+        return f"{1000 * (self._last - self._t0):.0f} ms ({parts})"
 
 
 async def checkpoint_image(
@@ -98,16 +116,22 @@ async def capture_live(
     image: Path | None,
     fault: str,
     then: Callable[[Captured], None],
+    phases: Phases | None = None,
 ) -> Captured:
     """Capture a running sandbox without stopping it: held (its processes
     stopped, its runtime answering), its memory checkpointed into `image`
     (None: files only) leaving it running, what its files changed copied into
     a layer; `then(captured)` runs while it is still held (forks start
     restoring meanwhile), and it is let go. `fault`: the crash point once captured."""
+    mark = phases.mark if phases is not None else (lambda _: None)
     async with running.held():
+        mark("hold")
         if image is not None:
             await checkpoint_image(running, image, leave_running=True)
+            mark("checkpoint")
         captured = await capture_files(layers, upper, below=below, since=since)
+        mark("files")
         crash_point(fault)
         then(captured)
+    mark("let go")
     return captured

@@ -23,16 +23,18 @@ import secrets
 import shutil
 import ssl
 import time
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import trio
 
 from aenv.config import Config
 from aenv.kit.asgiforward import ForwardingClient
+from aenv.kit.errors import one_error
 from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree, link_files
 from aenv.kit.mailbox import Mailbox, Request
@@ -57,6 +59,8 @@ log = logging.getLogger("aenv.sandbox")
 
 ENVD_READY_TIMEOUT_S = 60.0
 LOG_LINES = 1000
+_A = TypeVar("_A")
+_B = TypeVar("_B")
 # how long envd gets to close its side of the node's connections before a checkpoint
 _CLOSE_WAIT_S = 1.0
 
@@ -67,6 +71,25 @@ def _tls_context() -> ssl.SSLContext:
     builds a context per client otherwise: ~35 ms of CPU each, paid on every
     create, resume and capture)."""
     return ssl.create_default_context()
+
+
+async def _enter_both(
+    stack: AsyncExitStack,
+    first: AbstractAsyncContextManager[_A],
+    second: AbstractAsyncContextManager[_B],
+) -> tuple[_A, _B]:
+    """Enter two independent context managers onto `stack` at once; the first
+    failure is raised as it is (the other, if entered, is left on the stack)."""
+    got: list[Any] = [None, None]
+
+    async def enter(i: int, cm: AbstractAsyncContextManager[Any]) -> None:
+        got[i] = await stack.enter_async_context(cm)
+
+    with one_error():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(enter, 0, first)
+            nursery.start_soon(enter, 1, second)
+    return got[0], got[1]
 
 
 def _http_client() -> ForwardingClient:
@@ -169,6 +192,22 @@ class LiveCapture:
 
     image: Path | None
     stack: LayerStack
+
+
+@dataclass(frozen=True)
+class GivenSlot:
+    """A network slot opened for a sandbox before it starts (a fork child's,
+    `aenv.node.forks.SlotPrefetch`): closing `owner` deletes it."""
+
+    slot: NetSlot
+    owner: AsyncExitStack
+
+
+@asynccontextmanager
+async def _handed_over(given: GivenSlot) -> AsyncIterator[NetSlot]:
+    """Own a `GivenSlot` as `open_slot` owns a new one."""
+    async with given.owner:
+        yield given.slot
 
 
 @dataclass(frozen=True)
@@ -341,6 +380,8 @@ class SandboxActor:
         self._live: Captured | None = None
         # set on a fork child: the parent's envd token, which the child rotates
         self._prior_token: str | None = None
+        # a network slot opened for its first running period (a fork child's), its own now
+        self.given_slot: GivenSlot | None = None
         self._period = 0
         self._captures = 0
         # set on a sandbox recovered paused after a node restart: the TTL it had left
@@ -483,9 +524,11 @@ class SandboxActor:
         self._period = int(adoption["period"]) if adoption else self._period + 1
         disk = self.workdir / f"disk{self._period}"
         self._upper, self._live = disk / "upper", None
+        phases = capture.Phases()
         async with AsyncExitStack() as period:
             try:
-                root = await period.enter_async_context(
+                # the root and the network slot do not wait for each other
+                root_cm = (
                     host.roots.adopt_root(disk)
                     if adoption
                     else host.roots.open_root(
@@ -496,11 +539,16 @@ class SandboxActor:
                         carried_bytes=sum(layer.size_bytes for layer in self.stack.layers),
                     )
                 )
-                slot = await period.enter_async_context(
+                given, self.given_slot = self.given_slot, None
+                slot_cm = (
                     host.network.adopt_slot(int(adoption["slot"]))
                     if adoption
+                    else _handed_over(given)
+                    if given is not None
                     else host.network.open_slot(self.policy)
                 )
+                root, slot = await _enter_both(period, root_cm, slot_cm)
+                phases.mark("root+network")
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
                 argv, env = envd_command(ENVD_PORT)
@@ -531,9 +579,11 @@ class SandboxActor:
                     opener = host.runtime.open_restored(spec, image)
                 self._runtime_stack = await period.enter_async_context(AsyncExitStack())
                 self._running = await self._runtime_stack.enter_async_context(opener)
+                phases.mark("restore" if image is not None else "runtime")
                 if not adoption:
                     crash_point("create.started" if first else "resume.restored")
                     await self._init_envd(resumed=image is not None)
+                    phases.mark("envd")
                 self._prior_token = None
             except Exception as exc:
                 if first:
@@ -560,14 +610,16 @@ class SandboxActor:
                     await self._freeze_for_pause(frozen_already=True)
             elif first:
                 self.lifecycle.step(lc.Ready(trio.current_time(), self._timeout_s))
-                self._log("running")
                 await self._journal("running")
+                phases.mark("journal")
+                self._log(f"running: started in {phases}")
                 crash_point("create.journaled")
                 task_status.started(self)
             else:
                 self.lifecycle.step(lc.Resumed(trio.current_time()))
-                self._log("resumed")
                 await self._journal("running")
+                phases.mark("journal")
+                self._log(f"resumed in {phases}")
                 for req in self._resumers:
                     req.reply(True)
                 self._resumers.clear()
@@ -771,7 +823,7 @@ class SandboxActor:
         """
         assert self._running is not None and self._upper is not None
         memory = isinstance(msg, Fork) or msg.memory
-        t0 = time.perf_counter()
+        phases = capture.Phases()
         image: Path | None = None
         replied = False
 
@@ -786,7 +838,7 @@ class SandboxActor:
             if memory:
                 await self._close_connections(reopen=True)
                 image = self._next_image()
-            held_at = time.perf_counter()
+            phases.mark("connections")
             captured = await capture.capture_live(
                 self._running,
                 self.node.layers,
@@ -796,8 +848,8 @@ class SandboxActor:
                 image=image,
                 fault="fork.captured" if isinstance(msg, Fork) else "snapshot.captured",
                 then=reply,
+                phases=phases,
             )
-            held_ms = 1000 * (time.perf_counter() - held_at)
         except Exception as exc:
             if replied:  # captured, but the sandbox could not be let go
                 raise
@@ -808,9 +860,8 @@ class SandboxActor:
             return
         what = f"a fork of {msg.count}" if isinstance(msg, Fork) else "a snapshot"
         self._log(
-            f"captured for {what} in {1000 * (time.perf_counter() - t0):.0f} ms (held "
-            f"{held_ms:.0f} ms): {captured.copied_bytes} bytes of files copied, "
-            f"{captured.stack.depth} layers"
+            f"captured for {what} in {phases}: {captured.copied_bytes} bytes of files "
+            f"copied, {captured.stack.depth} layers"
         )
 
     def _next_image(self) -> Path:

@@ -69,8 +69,10 @@ _UNSUPPORTED_XATTRS = ("trusted.overlay.redirect", "trusted.overlay.metacopy")
 _META = "layer.json"
 # ioctl(dst, FICLONE, src): share src's extents (btrfs, xfs with reflink=1)
 _FICLONE = 0x40049409
-# Coarser than any kernel timestamp tick (HZ=100 gives 10 ms).
-_CTIME_TICK_NS = 20_000_000
+# File timestamps come from the kernel's coarse clock (CLOCK_REALTIME_COARSE,
+# 5 on Linux): one of its ticks (4 ms at HZ=250) plus a margin, at most 20 ms.
+# A capture holds its sandbox while it waits for the clock to pass a tick.
+_CTIME_TICK_NS = min(int(time.clock_getres(5) * 1e9) + 1_000_000, 20_000_000)
 _TREE = "tree"
 # A layer restored from the object store keeps its index (the stored bytes) here;
 # until its files are on disk (lazy), its `tree` is a symlink to where the image
