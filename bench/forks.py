@@ -227,10 +227,11 @@ def _phases(
             what = f"{child_of}: a child started"
         bucket = phases.setdefault(what, {})
         bucket.setdefault("total", []).append(float(m.group(2)))
-        for part in m.group(3).split(", "):
+        for part in m.group(3).removesuffix(" ms").split(", "):
             name, _, ms = part.rpartition(" ")
             with contextlib.suppress(ValueError):
-                bucket.setdefault(name, []).append(float(ms))
+                value = float(ms)
+                bucket.setdefault(name, []).append(value)
 
 
 def _gap(sbx: Any) -> float:
@@ -412,7 +413,7 @@ def table(
     lines.append("")
     lines.append("node's breakdown (median ms per phase, from the sandboxes' logs):")
     for what, parts in sorted(phases.items()):
-        text = ", ".join(f"{name} {statistics.median(v):.0f}" for name, v in parts.items())
+        text = ", ".join(f"{name} {statistics.median(v):.0f}" for name, v in parts.items() if v)
         lines.append(f"  {what} (n={len(parts.get('total', []))}): {text}")
     for side, res in (("aenv", aenv), ("floor", floor)):
         for key, s in res.items():
@@ -486,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "aenv": {k: s.to_json() for k, s in aenv_res.items() if s.samples or s.error},
         "floor": {k: s.to_json() for k, s in floor_res.items() if s.samples or s.error},
         "phases": {
-            what: {name: statistics.median(v) for name, v in parts.items()}
+            what: {name: statistics.median(v) for name, v in parts.items() if v}
             for what, parts in phases.items()
         },
     }
