@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import httpx
 import trio
@@ -1137,11 +1137,11 @@ class SandboxActor:
     async def _init_envd(self, *, resumed: bool = False) -> None:
         address, client, envd = self.sandbox_ip, self.http, self.node.host.envd
         assert address is not None and client is not None
-        with trio.move_on_after(ENVD_READY_TIMEOUT_S) as scope:
-            await envd.wait_ready(client, address)
-        if scope.cancelled_caught:
-            tail = "\n".join(self.console_tail(20))
-            raise EnvdUnavailable(f"envd did not start within {ENVD_READY_TIMEOUT_S:g}s: {tail}")
+        if not resumed:
+            with trio.move_on_after(ENVD_READY_TIMEOUT_S) as scope:
+                await envd.wait_ready(client, address)
+            if scope.cancelled_caught:
+                self._envd_did_not_start()
         body: dict[str, Any] = {
             "envVars": self.env_vars,
             "accessToken": self.envd_access_token,
@@ -1156,9 +1156,26 @@ class SandboxActor:
         if self.policy.rules and self.node.egress_ca_pem:
             # the egress proxy intercepts the rules' hosts: trust its CA (aenv.envd.trust)
             body["caCertificates"] = self.node.egress_ca_pem
-        # after a resume envd already holds the token and wants it to re-init
+        if not resumed:
+            await envd.init(client, address, body, token=None)
+            return
+        # A restored envd runs already and holds a token it wants to re-init
+        # with: /init at once, its answer is the readiness (one round trip, not
+        # a health check first). A connection refused or reset means not yet;
+        # a repeated /init is ignored (its timestamp is not newer).
         current = self._prior_token or self.envd_access_token
-        await envd.init(client, address, body, token=current if resumed else None)
+        with trio.move_on_after(ENVD_READY_TIMEOUT_S):
+            while True:
+                try:
+                    await envd.init(client, address, body, token=current)
+                    return
+                except httpx.TransportError:
+                    await trio.sleep(0.02)
+        self._envd_did_not_start()
+
+    def _envd_did_not_start(self) -> NoReturn:
+        tail = "\n".join(self.console_tail(20))
+        raise EnvdUnavailable(f"envd did not start within {ENVD_READY_TIMEOUT_S:g}s: {tail}")
 
     async def _serve(self) -> None:
         assert self._running is not None
