@@ -347,8 +347,9 @@ def bench(
             try:
                 with _sdk_env(node):
                     measure(node, rig, template, n, n20, aenv, floor, phases)
-            except Exception:
+            except Exception as e:
                 print(f"--- node log ---\n{node.log_tail(40)}", file=sys.stderr)
+                print(f"aenv side failed: {_describe(e)}", file=sys.stderr)
                 raise
             finally:
                 code = stop_node(node)

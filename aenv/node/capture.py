@@ -13,6 +13,7 @@ under an image's name. Layer stacks are kept shallow (`LayerStore.limit_depth`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from aenv.kit.faults import crash_point
 from aenv.kit.files import fsync_tree
 from aenv.runtimes.base import RunningSandbox
 from aenv.storage.layers import Captured, LayerStack, LayerStore
+
+log = logging.getLogger("aenv.capture")
 
 
 class Phases:
@@ -74,11 +77,17 @@ async def freeze_upper(
 
 
 async def capture_files(
-    layers: LayerStore, upper: Path, *, below: LayerStack, since: Captured | None
+    layers: LayerStore,
+    upper: Path,
+    *,
+    below: LayerStack,
+    since: Captured | None,
+    sync: bool = True,
 ) -> Captured:
     """What the mounted `upper` changed since the previous capture (`since`;
-    None: all of it, over `below`), as a new layer; nothing may write to it."""
-    captured = await layers.capture(upper, below=below, since=since)
+    None: all of it, over `below`), as a new layer; nothing may write to it.
+    Without `sync` the layer is not flushed yet (`LayerStore.sync`)."""
+    captured = await layers.capture(upper, below=below, since=since, sync=sync)
     stack = await layers.limit_depth(captured.stack)
     return dataclasses.replace(captured, stack=stack)
 
@@ -116,22 +125,37 @@ async def capture_live(
     image: Path | None,
     fault: str,
     then: Callable[[Captured], None],
+    durable: bool = False,
     phases: Phases | None = None,
 ) -> Captured:
     """Capture a running sandbox without stopping it: held (its processes
     stopped, its runtime answering), its memory checkpointed into `image`
     (None: files only) leaving it running, what its files changed copied into
-    a layer; `then(captured)` runs while it is still held (forks start
-    restoring meanwhile), and it is let go. `fault`: the crash point once captured."""
+    a layer, and it is let go; then the layer is flushed (after the hold, which
+    it would lengthen most under other I/O). `then(captured)` runs while it is
+    still held (forks start restoring meanwhile), or with `durable` once the
+    layer is flushed (a snapshot's record names it). `fault`: the crash point
+    once captured."""
     mark = phases.mark if phases is not None else (lambda _: None)
     async with running.held():
         mark("hold")
         if image is not None:
             await checkpoint_image(running, image, leave_running=True)
             mark("checkpoint")
-        captured = await capture_files(layers, upper, below=below, since=since)
+        captured = await capture_files(layers, upper, below=below, since=since, sync=False)
         mark("files")
         crash_point(fault)
-        then(captured)
+        if not durable:
+            then(captured)
     mark("let go")
+    try:
+        await layers.sync()
+    except OSError:
+        if durable:
+            raise
+        # whoever records the layer later flushes it again (and fails there)
+        log.warning("flushing a captured layer failed", exc_info=True)
+    mark("sync")
+    if durable:
+        then(captured)
     return captured

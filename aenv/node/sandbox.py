@@ -848,6 +848,8 @@ class SandboxActor:
                 image=image,
                 fault="fork.captured" if isinstance(msg, Fork) else "snapshot.captured",
                 then=reply,
+                # a snapshot is recorded: it hears of its layer once that is on disk
+                durable=isinstance(msg, Snapshot),
                 phases=phases,
             )
         except Exception as exc:
@@ -967,7 +969,7 @@ class SandboxActor:
         return ":".join([image, *self.stack.ids()])
 
     async def _persist_paused(self) -> None:
-        """Record this paused sandbox durably (its image flushed to disk first).
+        """Record this paused sandbox durably (its image and layers flushed to disk first).
 
         A crash before this returns loses the paused state (the journal still
         says the sandbox runs, and its runtime is gone: it is reported lost);
@@ -976,6 +978,8 @@ class SandboxActor:
         try:
             if self._resume_image is not None:
                 await trio.to_thread.run_sync(fsync_tree, self._resume_image)
+            # and its layers (a fork's layer is flushed after its children start)
+            await self.node.layers.sync()
         except Exception:
             log.exception("flushing the memory image of sandbox %s failed", self.sandbox_id)
             return
