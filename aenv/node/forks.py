@@ -7,11 +7,6 @@ then starts the children, each restoring the capture's memory image over its
 layer stack into a sandbox of its own, and removes the image once every
 child has restored from it (or failed). Its dependencies are passed in: how
 to reserve a new sandbox ID and how to launch an actor.
-
-The children's network slots do not depend on the capture: `SlotPrefetch`
-opens them while the parent is captured, and each child takes one over
-(`SandboxActor.given_slot`); a child whose slot could not be opened ahead
-opens its own, and slots nobody took are deleted.
 """
 
 from __future__ import annotations
@@ -19,54 +14,13 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
 
 import trio
 
 from aenv.kit.faults import crash_point
-from aenv.node.host import NetworkSlots
-from aenv.node.sandbox import GivenSlot, LiveCapture, SandboxActor
-from aenv.proto.netpolicy import EgressPolicy
+from aenv.node.sandbox import LiveCapture, SandboxActor
 
 log = logging.getLogger("aenv.forks")
-
-
-class SlotPrefetch:
-    """Network slots opened for a fork's `count` children ahead of their start
-    (`open(i)` for each, in a nursery); `take(i)` hands slot i over (None: it
-    could not be opened, the child opens its own), `aclose` deletes the rest."""
-
-    def __init__(self, network: NetworkSlots, policy: EgressPolicy, count: int) -> None:
-        self._network, self._policy = network, policy
-        self._ready = [trio.Event() for _ in range(count)]
-        self._slots: list[GivenSlot | None] = [None] * count
-        self._closed = False
-
-    async def open(self, i: int) -> None:
-        owner = AsyncExitStack()
-        try:
-            slot = await owner.enter_async_context(self._network.open_slot(self._policy))
-            self._slots[i] = GivenSlot(slot, owner)
-        except Exception as exc:  # (a cancellation goes on) the child tries itself
-            log.info("a fork child's network slot could not be opened ahead: %r", exc)
-        finally:
-            self._ready[i].set()
-        if self._closed:  # nobody takes it any more
-            await self.aclose()
-
-    async def take(self, i: int) -> GivenSlot | None:
-        await self._ready[i].wait()
-        given, self._slots[i] = self._slots[i], None
-        return given
-
-    async def aclose(self) -> None:
-        """Delete the slots nobody took (and those opened from now on)."""
-        self._closed = True
-        for i, given in enumerate(self._slots):
-            self._slots[i] = None
-            if given is not None:
-                with trio.CancelScope(shield=True):
-                    await given.owner.aclose()
 
 
 async def start_children(
@@ -77,14 +31,12 @@ async def start_children(
     timeout_s: int,
     reserve: Callable[[], str],
     launch: Callable[[SandboxActor], Awaitable[SandboxActor]],
-    slots: SlotPrefetch | None = None,
 ) -> list[SandboxActor | Exception]:
     """Start `count` children of `parent` from `capture`, at once; one result per
     child, in order: the running child, or why it could not start.
 
     `reserve()` is a new sandbox ID (or raises, the node being full) and
-    `launch(actor)` starts an actor and returns it once it runs; child i
-    takes slot i of `slots`, if given.
+    `launch(actor)` starts an actor and returns it once it runs.
     """
     image = capture.image
     assert image is not None, "a fork's capture has a memory image"
@@ -93,22 +45,12 @@ async def start_children(
     ]
 
     async def one(i: int) -> None:
-        child: SandboxActor | None = None
         try:
-            sandbox_id = reserve()
-            given = await slots.take(i) if slots is not None else None
-            child = SandboxActor.fork_of(parent, sandbox_id, image, capture.stack, timeout_s)
-            child.given_slot = given
+            child = SandboxActor.fork_of(parent, reserve(), image, capture.stack, timeout_s)
             results[i] = await launch(child)
         except Exception as exc:
             log.warning("fork %d of %s failed: %r", i, parent.sandbox_id, exc)
             results[i] = exc
-        finally:
-            # a child that never started its run leaves its slot to us
-            if child is not None and child.given_slot is not None:
-                with trio.CancelScope(shield=True):
-                    await child.given_slot.owner.aclose()
-                child.given_slot = None
 
     try:
         async with trio.open_nursery() as n:

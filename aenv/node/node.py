@@ -51,7 +51,6 @@ import trio
 from aenv.config import Config
 from aenv.images.service import Images, open_images
 from aenv.images.store import ImageRecord
-from aenv.kit.errors import one_error
 from aenv.kit.files import link_files
 from aenv.kit.mailbox import Busy
 from aenv.kit.metrics import Registry
@@ -785,33 +784,20 @@ class Node:
     ) -> builtins.list[SandboxActor | Exception]:
         """`count` children of running sandbox `parent`, one result per child:
         the parent's actor captures it (held for that only, within `wait_s`),
-        then a supervised job starts the children from the capture. The
-        children's network slots are opened meanwhile (`forks.SlotPrefetch`)."""
-        slots = forks.SlotPrefetch(self.host.network, parent.policy, count)
-        try:
-            with one_error():
-                async with trio.open_nursery() as nursery:
-                    for i in range(count):
-                        nursery.start_soon(slots.open, i)
-                    try:
-                        capture: LiveCapture = await parent.mailbox.ask(Fork(count), timeout=wait_s)
-                        return await self.services.run(
-                            f"fork {parent.sandbox_id} #{next(self._jobs)}",
-                            lambda _stop: forks.start_children(
-                                parent,
-                                capture,
-                                count=count,
-                                timeout_s=timeout_s,
-                                reserve=self._reserve_id,
-                                launch=self._launch,
-                                slots=slots,
-                            ),
-                            grace_s=0.0,
-                        )
-                    finally:
-                        nursery.cancel_scope.cancel()
-        finally:
-            await slots.aclose()
+        then a supervised job starts the children from the capture."""
+        capture: LiveCapture = await parent.mailbox.ask(Fork(count), timeout=wait_s)
+        return await self.services.run(
+            f"fork {parent.sandbox_id} #{next(self._jobs)}",
+            lambda _stop: forks.start_children(
+                parent,
+                capture,
+                count=count,
+                timeout_s=timeout_s,
+                reserve=self._reserve_id,
+                launch=self._launch,
+            ),
+            grace_s=0.0,
+        )
 
     async def snapshot(
         self, source: SandboxActor, name: str | None, *, memory: bool, wait_s: float

@@ -23,8 +23,7 @@ import secrets
 import shutil
 import ssl
 import time
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -192,22 +191,6 @@ class LiveCapture:
 
     image: Path | None
     stack: LayerStack
-
-
-@dataclass(frozen=True)
-class GivenSlot:
-    """A network slot opened for a sandbox before it starts (a fork child's,
-    `aenv.node.forks.SlotPrefetch`): closing `owner` deletes it."""
-
-    slot: NetSlot
-    owner: AsyncExitStack
-
-
-@asynccontextmanager
-async def _handed_over(given: GivenSlot) -> AsyncIterator[NetSlot]:
-    """Own a `GivenSlot` as `open_slot` owns a new one."""
-    async with given.owner:
-        yield given.slot
 
 
 @dataclass(frozen=True)
@@ -380,8 +363,6 @@ class SandboxActor:
         self._live: Captured | None = None
         # set on a fork child: the parent's envd token, which the child rotates
         self._prior_token: str | None = None
-        # a network slot opened for its first running period (a fork child's), its own now
-        self.given_slot: GivenSlot | None = None
         self._period = 0
         self._captures = 0
         # set on a sandbox recovered paused after a node restart: the TTL it had left
@@ -539,12 +520,9 @@ class SandboxActor:
                         carried_bytes=sum(layer.size_bytes for layer in self.stack.layers),
                     )
                 )
-                given, self.given_slot = self.given_slot, None
                 slot_cm = (
                     host.network.adopt_slot(int(adoption["slot"]))
                     if adoption
-                    else _handed_over(given)
-                    if given is not None
                     else host.network.open_slot(self.policy)
                 )
                 root, slot = await _enter_both(period, root_cm, slot_cm)
