@@ -81,6 +81,7 @@ fuzz: venv
 
 bench: deps test-artefacts
 	@AENV_TEST_HOME=$(TEST_HOME) $(PY) bench/run.py
+	@AENV_TEST_HOME=$(TEST_HOME) $(PY) bench/forks.py
 
 clean:
 	rm -rf $(STATE) $(VENV)

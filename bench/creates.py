@@ -85,7 +85,7 @@ FLOOR_KEYS = ("restore", "restore_4")
 
 
 ADOPTED = re.compile(r"adopted from the pool in ([0-9.]+) ms(?: \((.*)\))?")
-STARTED = re.compile(r"running in ([0-9.]+) ms \((.*)\)")
+STARTED = re.compile(r"running: started in ([0-9.]+) ms \((.*)\)")
 # server-side times of pool adoptions and of restores (ms), and their steps as
 # the sandbox's log names them
 ADOPTIONS: list[float] = []

@@ -23,11 +23,10 @@ import secrets
 import shutil
 import ssl
 import time
-from collections.abc import Awaitable
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import httpx
 import trio
@@ -59,6 +58,8 @@ log = logging.getLogger("aenv.sandbox")
 
 ENVD_READY_TIMEOUT_S = 60.0
 LOG_LINES = 1000
+_A = TypeVar("_A")
+_B = TypeVar("_B")
 # how long envd gets to close its side of the node's connections before a checkpoint
 _CLOSE_WAIT_S = 1.0
 
@@ -69,6 +70,25 @@ def _tls_context() -> ssl.SSLContext:
     builds a context per client otherwise: ~35 ms of CPU each, paid on every
     create, resume and capture)."""
     return ssl.create_default_context()
+
+
+async def _enter_both(
+    stack: AsyncExitStack,
+    first: AbstractAsyncContextManager[_A],
+    second: AbstractAsyncContextManager[_B],
+) -> tuple[_A, _B]:
+    """Enter two independent context managers onto `stack` at once; the first
+    failure is raised as it is (the other, if entered, is left on the stack)."""
+    got: list[Any] = [None, None]
+
+    async def enter(i: int, cm: AbstractAsyncContextManager[Any]) -> None:
+        got[i] = await stack.enter_async_context(cm)
+
+    with one_error():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(enter, 0, first)
+            nursery.start_soon(enter, 1, second)
+    return got[0], got[1]
 
 
 def _http_client() -> ForwardingClient:
@@ -262,30 +282,6 @@ def disk_mb_of(template: Template, node_default: int) -> int:
     """The disk size (MiB; 0: unbounded) of a new sandbox of `template`: the
     template's own where it sets one, else the node's."""
     return template.sandbox_disk_mb or node_default
-
-
-class _Steps:
-    """Durations of the named steps of a start, for its log line."""
-
-    def __init__(self) -> None:
-        self._t0 = self._last = time.perf_counter()
-        self._steps: list[str] = []
-
-    def mark(self, name: str | None = None) -> None:
-        """The step `name` ends now (None: the steps since the last mark were `timed`)."""
-        now = time.perf_counter()
-        if name is not None:
-            self._steps.append(f"{name} {1000 * (now - self._last):.1f}")
-        self._last = now
-
-    async def timed(self, name: str, step: Awaitable[object]) -> None:
-        """Await `step`, noting its duration (steps run at once are noted so)."""
-        t0 = time.perf_counter()
-        await step
-        self._steps.append(f"{name} {1000 * (time.perf_counter() - t0):.1f}")
-
-    def __str__(self) -> str:
-        return f"{1000 * (self._last - self._t0):.1f} ms ({', '.join(self._steps)} ms)"
 
 
 class SandboxActor:
@@ -509,10 +505,11 @@ class SandboxActor:
         self._period = int(adoption["period"]) if adoption else self._period + 1
         disk = self.workdir / f"disk{self._period}"
         self._upper, self._live = disk / "upper", None
-        steps = _Steps()  # where a create's time goes (logged with "running")
+        phases = capture.Phases()
         async with AsyncExitStack() as period:
             try:
-                root = await period.enter_async_context(
+                # the root and the network slot do not wait for each other
+                root_cm = (
                     host.roots.adopt_root(disk)
                     if adoption
                     else host.roots.open_root(
@@ -523,15 +520,15 @@ class SandboxActor:
                         carried_bytes=sum(layer.size_bytes for layer in self.stack.layers),
                     )
                 )
-                steps.mark("root")
-                slot = await period.enter_async_context(
+                slot_cm = (
                     host.network.adopt_slot(int(adoption["slot"]))
                     if adoption
                     else host.network.open_slot(self.policy)
                 )
+                root, slot = await _enter_both(period, root_cm, slot_cm)
+                phases.mark("root+network")
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
-                steps.mark("slot")
                 argv, env = envd_command(ENVD_PORT)
                 binds = [
                     (await node.volumes.host_path(m.volume_id), m.path) for m in self.volume_mounts
@@ -560,11 +557,11 @@ class SandboxActor:
                     opener = host.runtime.open_restored(spec, image)
                 self._runtime_stack = await period.enter_async_context(AsyncExitStack())
                 self._running = await self._runtime_stack.enter_async_context(opener)
-                steps.mark("runtime")
+                phases.mark("restore" if image is not None else "runtime")
                 if not adoption:
                     crash_point("create.started" if first else "resume.restored")
                     await self._init_envd(resumed=image is not None)
-                    steps.mark("envd")
+                    phases.mark("envd")
                 self._prior_token = None
             except Exception as exc:
                 if first:
@@ -592,14 +589,15 @@ class SandboxActor:
             elif first:
                 self.lifecycle.step(lc.Ready(trio.current_time(), self._timeout_s))
                 await self._journal("running")
-                steps.mark("journal")
-                self._log(f"running in {steps}")
+                phases.mark("journal")
+                self._log(f"running: started in {phases}")
                 crash_point("create.journaled")
                 task_status.started(self)
             else:
                 self.lifecycle.step(lc.Resumed(trio.current_time()))
-                self._log("resumed")
                 await self._journal("running")
+                phases.mark("journal")
+                self._log(f"resumed in {phases}")
                 for req in self._resumers:
                     req.reply(True)
                 self._resumers.clear()
@@ -803,7 +801,7 @@ class SandboxActor:
         """
         assert self._running is not None and self._upper is not None
         memory = isinstance(msg, Fork) or msg.memory
-        t0 = time.perf_counter()
+        phases = capture.Phases()
         image: Path | None = None
         replied = False
 
@@ -818,7 +816,7 @@ class SandboxActor:
             if memory:
                 await self._close_connections(reopen=True)
                 image = self._next_image()
-            held_at = time.perf_counter()
+            phases.mark("connections")
             captured = await capture.capture_live(
                 self._running,
                 self.node.layers,
@@ -828,8 +826,10 @@ class SandboxActor:
                 image=image,
                 fault="fork.captured" if isinstance(msg, Fork) else "snapshot.captured",
                 then=reply,
+                # a snapshot is recorded: it hears of its layer once that is on disk
+                durable=isinstance(msg, Snapshot),
+                phases=phases,
             )
-            held_ms = 1000 * (time.perf_counter() - held_at)
         except Exception as exc:
             if replied:  # captured, but the sandbox could not be let go
                 raise
@@ -840,9 +840,8 @@ class SandboxActor:
             return
         what = f"a fork of {msg.count}" if isinstance(msg, Fork) else "a snapshot"
         self._log(
-            f"captured for {what} in {1000 * (time.perf_counter() - t0):.0f} ms (held "
-            f"{held_ms:.0f} ms): {captured.copied_bytes} bytes of files copied, "
-            f"{captured.stack.depth} layers"
+            f"captured for {what} in {phases}: {captured.copied_bytes} bytes of files "
+            f"copied, {captured.stack.depth} layers"
         )
 
     def _next_image(self) -> Path:
@@ -948,7 +947,7 @@ class SandboxActor:
         return ":".join([image, *self.stack.ids()])
 
     async def _persist_paused(self) -> None:
-        """Record this paused sandbox durably (its image flushed to disk first).
+        """Record this paused sandbox durably (its image and layers flushed to disk first).
 
         A crash before this returns loses the paused state (the journal still
         says the sandbox runs, and its runtime is gone: it is reported lost);
@@ -957,6 +956,8 @@ class SandboxActor:
         try:
             if self._resume_image is not None:
                 await trio.to_thread.run_sync(fsync_tree, self._resume_image)
+            # and its layers (a fork's layer is flushed after its children start)
+            await self.node.layers.sync()
         except Exception:
             log.exception("flushing the memory image of sandbox %s failed", self.sandbox_id)
             return
@@ -1115,20 +1116,17 @@ class SandboxActor:
         child._prior_token = parent.envd_access_token
         return child
 
-    async def _init_envd(self, *, resumed: bool = False, answered: bool = False) -> None:
-        """Hand envd its environment and token; first wait until it answers,
-        unless it `answered` already in this running period (a pool member:
-        one round trip less per create)."""
+    async def _init_envd(self, *, resumed: bool = False) -> None:
+        """Hand envd its environment and token: a booted envd once it answers,
+        a restored one (a resume, a fork child, a pool member) at once, its
+        answer to /init being the readiness."""
         address, client, envd = self.sandbox_ip, self.http, self.node.host.envd
         assert address is not None and client is not None
-        if not answered:
+        if not resumed:
             with trio.move_on_after(ENVD_READY_TIMEOUT_S) as scope:
                 await envd.wait_ready(client, address)
             if scope.cancelled_caught:
-                tail = "\n".join(self.console_tail(20))
-                raise EnvdUnavailable(
-                    f"envd did not start within {ENVD_READY_TIMEOUT_S:g}s: {tail}"
-                )
+                self._envd_did_not_start()
         body: dict[str, Any] = {
             "envVars": self.env_vars,
             "accessToken": self.envd_access_token,
@@ -1143,9 +1141,26 @@ class SandboxActor:
         if self.policy.rules and self.node.egress_ca_pem:
             # the egress proxy intercepts the rules' hosts: trust its CA (aenv.envd.trust)
             body["caCertificates"] = self.node.egress_ca_pem
-        # after a resume envd already holds the token and wants it to re-init
+        if not resumed:
+            await envd.init(client, address, body, token=None)
+            return
+        # A restored envd runs already and holds a token it wants to re-init
+        # with: /init at once, its answer is the readiness (one round trip, not
+        # a health check first). A connection refused or reset means not yet;
+        # a repeated /init is ignored (its timestamp is not newer).
         current = self._prior_token or self.envd_access_token
-        await envd.init(client, address, body, token=current if resumed else None)
+        with trio.move_on_after(ENVD_READY_TIMEOUT_S):
+            while True:
+                try:
+                    await envd.init(client, address, body, token=current)
+                    return
+                except httpx.TransportError:
+                    await trio.sleep(0.02)
+        self._envd_did_not_start()
+
+    def _envd_did_not_start(self) -> NoReturn:
+        tail = "\n".join(self.console_tail(20))
+        raise EnvdUnavailable(f"envd did not start within {ENVD_READY_TIMEOUT_S:g}s: {tail}")
 
     async def _serve(self) -> None:
         assert self._running is not None
@@ -1296,7 +1311,7 @@ class SandboxActor:
 
     async def _adopt(self, new: NewSandbox) -> None:
         assert self._running is not None
-        steps = _Steps()
+        steps = capture.Phases()
         if self._frozen:
             await self._running.thaw()
             self._frozen = False
@@ -1322,8 +1337,8 @@ class SandboxActor:
         with one_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(steps.timed, "journal", self._journal("running"))
-                await steps.timed("envd", self._init_envd(resumed=True, answered=True))
-        steps.mark()
+                await steps.timed("envd", self._init_envd(resumed=True))
+        steps.skip()
         self._prior_token = None
         self.pooled = False
         self._log(f"adopted from the pool in {steps}")

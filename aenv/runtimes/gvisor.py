@@ -188,13 +188,17 @@ class GVisorSandbox:
         if self._runsc_paused:
             return
         if not await trio.to_thread.run_sync(self._cgroups.set_frozen, True):
-            await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id)
+            await self._runtime._runsc_logged(
+                _PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id, private_netfs=False
+            )
             self._runsc_paused = True
 
     async def thaw(self) -> None:
         await trio.to_thread.run_sync(self._cgroups.set_frozen, False)
         if self._runsc_paused:
-            await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id)
+            await self._runtime._runsc_logged(
+                _PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id, private_netfs=False
+            )
             self._runsc_paused = False
 
     async def checkpoint_frozen(self, image_dir: Path) -> None:
@@ -203,7 +207,9 @@ class GVisorSandbox:
         if not self._runsc_paused:
             # the cgroup freezer stops the sentry too: hand the stop over to runsc
             await trio.to_thread.run_sync(self._cgroups.set_frozen, False)
-            await self._runtime._runsc_logged(_PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id)
+            await self._runtime._runsc_logged(
+                _PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id, private_netfs=False
+            )
             self._runsc_paused = True
         await self.checkpoint(image_dir, leave_running=True)
 
@@ -216,12 +222,16 @@ class GVisorSandbox:
         cgroup freezer would stop the sentry too).
         """
         rt = self._runtime
-        await rt._runsc_logged(_PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id)
+        await rt._runsc_logged(
+            _PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id, private_netfs=False
+        )
         try:
             yield
         finally:
             with trio.CancelScope(shield=True):
-                await rt._runsc_logged(_PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id)
+                await rt._runsc_logged(
+                    _PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id, private_netfs=False
+                )
 
     def _usage_sync(self) -> Usage:
         now = time.monotonic()
@@ -406,17 +416,23 @@ class GVisorRuntime:
         )
         return "-net-disconnect-ok" in proc.stdout + proc.stderr
 
-    async def _runsc_logged(self, seconds: float, spec: SandboxSpec, *args: str) -> None:
+    async def _runsc_logged(
+        self, seconds: float, spec: SandboxSpec, *args: str, private_netfs: bool = True
+    ) -> None:
         """Run a runsc command with its output appended to the sandbox's log.
 
+        Without `private_netfs` it runs as it is (`runsc pause` and `resume`:
+        calls to the running sandbox, which start nothing and probe no network;
+        the namespace costs three more processes on a capture's hold).
         Raises GVisorCheckpointError (with the output) if it fails or times out.
         """
         out = spec.workdir / "runsc.out"
         fd = await trio.to_thread.run_sync(_open_truncated, out)
         try:
             with trio.move_on_after(seconds) as scope:
+                cmd = self._command(*args)
                 proc = await trio.run_process(
-                    _in_private_netfs(self._command(*args)),
+                    _in_private_netfs(cmd) if private_netfs else cmd,
                     stdin=None,
                     stdout=fd,
                     stderr=fd,

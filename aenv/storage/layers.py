@@ -69,8 +69,10 @@ _UNSUPPORTED_XATTRS = ("trusted.overlay.redirect", "trusted.overlay.metacopy")
 _META = "layer.json"
 # ioctl(dst, FICLONE, src): share src's extents (btrfs, xfs with reflink=1)
 _FICLONE = 0x40049409
-# Coarser than any kernel timestamp tick (HZ=100 gives 10 ms).
-_CTIME_TICK_NS = 20_000_000
+# File timestamps come from the kernel's coarse clock (CLOCK_REALTIME_COARSE,
+# 5 on Linux): one of its ticks (4 ms at HZ=250) plus a margin, at most 20 ms.
+# A capture holds its sandbox while it waits for the clock to pass a tick.
+_CTIME_TICK_NS = min(int(time.clock_getres(5) * 1e9) + 1_000_000, 20_000_000)
 _TREE = "tree"
 # A layer restored from the object store keeps its index (the stored bytes) here;
 # until its files are on disk (lazy), its `tree` is a symlink to where the image
@@ -206,7 +208,7 @@ class LayerStore:
     # -- live capture ------------------------------------------------------
 
     async def capture(
-        self, upper: Path, *, below: LayerStack, since: Captured | None = None
+        self, upper: Path, *, below: LayerStack, since: Captured | None = None, sync: bool = True
     ) -> Captured:
         """A new layer holding what a still-mounted upper changed since `since`.
 
@@ -218,12 +220,22 @@ class LayerStore:
         `since`, and whiteouts for those that went, over `since`'s stack, so
         the cost follows what changed, not the root filesystem. Returns
         when the kernel's clock has moved past every change seen, so any later
-        write gets a later ctime and is seen by the next capture.
+        write gets a later ctime and is seen by the next capture. Without
+        `sync` the new layer's files are not flushed yet: the caller calls
+        `sync()` before anything durable names the layer.
         """
         async with self._lock:
-            return await trio.to_thread.run_sync(self._capture_sync, Path(upper), below, since)
+            return await trio.to_thread.run_sync(
+                self._capture_sync, Path(upper), below, since, sync
+            )
 
-    def _capture_sync(self, upper: Path, below: LayerStack, since: Captured | None) -> Captured:
+    async def sync(self) -> None:
+        """Flush the file system the layers are on (after `capture(sync=False)`)."""
+        await trio.to_thread.run_sync(_syncfs, self.layers_dir)
+
+    def _capture_sync(
+        self, upper: Path, below: LayerStack, since: Captured | None, sync: bool = True
+    ) -> Captured:
         if not upper.is_dir():
             raise LayerError(f"{upper} is not a directory")
         layer_id, staging = self._staging()
@@ -235,7 +247,8 @@ class LayerStore:
             if not diff.changed:  # the stack it was captured over is the capture
                 _rmtree(staging)
                 return Captured(stack=over, entries=diff.entries, copied_bytes=0)
-            _syncfs(tree)
+            if sync:
+                _syncfs(tree)
             layer = self._publish(layer_id, staging, below=over.ids(), base=over.base,
                                   moved_from=None)  # fmt: skip
         except BaseException:

@@ -83,3 +83,4 @@ async def test_a_failed_capture_leaves_the_sandbox_running_and_no_image(
     assert fake.runtime.get(actor.sandbox_id).state is Guest.RUNNING  # let go
     assert list(actor.workdir.glob("image*")) == []
     assert [a.sandbox_id for a in node.list()] == [actor.sandbox_id]
+    assert len(fake.network.slots) == 1  # only its own
