@@ -249,6 +249,9 @@ class Durable:
                 await trio.sleep(delay)
                 continue
             except (OSError, LayerError) as exc:
+                if await self._meta.run(self._meta.store.get_snapshot, snap_id) is None:
+                    log.info("snapshot %s was deleted while it was uploading", snap_id)
+                    return
                 log.error("snapshot %s cannot be uploaded: %r", snap_id, exc)
                 await self._snapshots.update(
                     snap_id, storage="local", storageError=f"cannot upload: {exc}"

@@ -12,6 +12,8 @@ asserted by counts, not times.
 from __future__ import annotations
 
 import logging
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import trio
 import trio.testing
 
 import aenv.node.durable
+import aenv.storage.snapstore.upload as upload_module
 from aenv.kit.supervisor import ChildState, StopToken
 from aenv.node.durable import JOB_RESTARTS
 from aenv.node.node import SERVICES_STOP_S, Node
@@ -187,3 +190,43 @@ async def test_stopping_the_node_stops_every_child_within_its_grace(
     assert node.services.statistics().running == node.sandboxes.statistics().running == 0
     assert actors[0].stopped.is_set() and actors[1].stopped.is_set()
     assert fake.leftovers() == []
+
+
+async def test_a_snapshot_deleted_while_its_upload_builds_packs_ends_the_upload_quietly(
+    clock: trio.testing.MockClock,
+    autojump: AutoJump,
+    tmp_path: Path,
+    fake: FakeHost,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The delete removes the memory image the upload is reading before it stops
+    the upload: the upload ends without a failure (a restart, once a crash of
+    the node) and nothing is stored."""
+    real = upload_module.build_pack
+    gate = threading.Event()
+    ids: list[str] = []
+    built: list[bool] = []
+
+    def deleted_first(*args: Any, **kwargs: Any) -> Any:
+        built.append(True)
+        gate.wait(30)
+        # a delete's first steps (its record, then its files), before it stops the upload
+        trio.from_thread.run(node.meta.run, node.meta.store.delete_snapshot, ids[0])
+        shutil.rmtree(node.snapshots.root / ids[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(upload_module, "build_pack", deleted_first)
+    config = node_config(tmp_path, store_url=f"file://{tmp_path / 'store'}")
+    async with open_test_node(config, fake) as node:
+        source = await create(node, timeout_s=600)
+        doc = await node.snapshot(source, "mine", memory=True, wait_s=60)
+        ids.append(doc["snapshotID"])
+        gate.set()
+        await autojump.until(lambda: node.services.get(f"upload {ids[0]}") is None)
+        stats = node.services.statistics()
+        assert built  # the delete came while packs were built
+        assert stats.failed == 0 and stats.restarts == 0
+        assert node.meta.store.get_snapshot(ids[0]) is None
+        assert not [p for p in (tmp_path / "store").rglob("manifests/*")]
+        # the node serves on
+        await node.snapshot(source, "again", memory=True, wait_s=60)

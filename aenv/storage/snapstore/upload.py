@@ -240,9 +240,10 @@ async def _plan_image(
                 kept[0] += len(blob)
                 packs[new[k]] = blob
 
-        async with trio.open_nursery() as n:
-            for k, group in enumerate(plan.groups):
-                n.start_soon(build, k, group)
+        with one_error():  # (a file removed under it, the snapshot deleted: OSError alone)
+            async with trio.open_nursery() as n:
+                for k, group in enumerate(plan.groups):
+                    n.start_soon(build, k, group)
         pmap = plan.finish(new)
         raw = await trio.to_thread.run_sync(pack_map, pmap, limiter=io)
         out.append(PagedFile(name, path, plan, tuple(new), pmap, raw, content_digest(raw)))
