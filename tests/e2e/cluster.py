@@ -43,7 +43,13 @@ class Cluster:
         self.nodes: dict[str, NodeProc] = {}
 
     def start(
-        self, name: str, peers: list[str], cidr: str, *, secret: str | None = None
+        self,
+        name: str,
+        peers: list[str],
+        cidr: str,
+        *,
+        secret: str | None = None,
+        store: Path | None = None,
     ) -> NodeProc:
         home = self.root / name
         if not home.exists():
@@ -60,7 +66,7 @@ class Cluster:
                 "AENV_SLOT_CIDR": cidr,
                 "AENV_CLUSTER_SECRET": secret or SECRET,
                 "AENV_CLUSTER_PEERS": ",".join(peers),
-                "AENV_STORE_URL": f"file://{self.root / 'store'}",
+                "AENV_STORE_URL": f"file://{store or self.root / 'store'}",
                 # the built templates stay on each node (tests/e2e/test_templates_from_store.py)
                 "AENV_SHARE_DEFAULT_TEMPLATES": "off",
             },

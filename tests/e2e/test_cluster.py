@@ -92,7 +92,16 @@ def test_a_node_without_the_secret_gets_no_membership(cluster: Cluster) -> None:
     everyone = {"node-a": "alive", "node-b": "alive", "node-c": "alive"}
     cluster.wait_members(everyone)
     a = cluster.nodes["node-a"]
-    intruder = cluster.start("node-x", [a.url], "10.239.0.0/16", secret="not-" + "s" * 16)
+    wrong = "not-" + "s" * 16
+    # On the cluster's store, the wrong secret cannot open the cluster's key
+    # ring: the node refuses to start and says why.
+    with pytest.raises(RuntimeError, match="AENV_CLUSTER_SECRET"):
+        cluster.start("node-y", [a.url], "10.239.0.0/16", secret=wrong)
+    assert not leaks(cluster.root / "node-y", f"{PREFIX}y")
+    # With a store of its own it starts, and the cluster will not have it.
+    own = cluster.root / "intruder-store"
+    own.mkdir()
+    intruder = cluster.start("node-x", [a.url], "10.239.0.0/16", secret=wrong, store=own)
     try:
         deadline = time.monotonic() + 20
         while "refused a cluster connection" not in a.log_path.read_text():
