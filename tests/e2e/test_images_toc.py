@@ -88,8 +88,10 @@ def test_a_toc_image_starts_from_its_toc_and_reads_lazily(
     repo = f"toc-{fmt.replace(':', '-')}"
     img, layer = toc_image(registry, repo, fmt, seed=100 if fmt == "estargz" else 200)
     got0 = metric(node, "aenv_image_registry_bytes_total")
+    toc0 = metric(node, "aenv_image_toc_layers_total")
     s = Sandbox.create(img.ref, timeout=120)  # type: ignore[attr-defined]
     try:
+        assert metric(node, "aenv_image_toc_layers_total") == toc0 + 1
         r = s.commands.run("pwd; cat hello.txt; cat to-hello; ls -l suid")
         lines = r.stdout.splitlines()
         assert lines[:3] == ["/data", "hello from a TOC layer", "hello from a TOC layer"]
