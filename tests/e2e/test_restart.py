@@ -36,11 +36,12 @@ from tests.registry import LocalRegistry, push_busybox
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
-PREFIX = "aenvw"
+# AENV_TEST_RESTART_PREFIX / _CIDR: another pair for a run beside another suite
+PREFIX = os.environ.get("AENV_TEST_RESTART_PREFIX", "aenvw")
 # paused sandboxes go to disk a second after their pause (the default is a minute)
 ENV = {
     "AENV_NET_PREFIX": PREFIX,
-    "AENV_SLOT_CIDR": "10.232.0.0/16",
+    "AENV_SLOT_CIDR": os.environ.get("AENV_TEST_RESTART_CIDR", "10.232.0.0/16"),
     "AENV_HIBERNATE_AFTER": "1",
     # a stop leaves running sandboxes running, as a deployed node does
     "AENV_ON_STOP": "keep",
