@@ -15,8 +15,8 @@ state lives under `state_root`, shared by all sandboxes of the node, so
 
 Memory snapshots: `GVisorSandbox.checkpoint` runs `runsc checkpoint` (in the
 same private mount namespace, which `--leave-running` needs as it restarts
-the container), `freeze`/`thaw` are the cgroup freezer (v2 or v1; `runsc
-pause`/`resume` where there is none), and
+the container), `freeze`/`thaw` are the cgroup v2 freezer (`runsc
+pause`/`resume` on cgroup v1 hosts), and
 `GVisorRuntime.open_restored` starts a sandbox with `runsc restore --detach`
 from a bundle written for the new spec: the restored kernel takes the new
 netns' interfaces and reopens its files by path under the new root, which
@@ -182,7 +182,7 @@ class GVisorSandbox:
     async def freeze(self) -> None:
         """Stop every process of the sandbox; memory stays.
 
-        The cgroup freezer, v2 or v1 (one write, no process to start) where the
+        The cgroup v2 freezer (one write, no process to start) where the
         sandbox has its own cgroup, else `runsc pause`.
         """
         if self._runsc_paused:
@@ -688,19 +688,19 @@ class _Cgroups:
     def set_frozen(self, frozen: bool) -> bool:
         """Freeze or thaw the cgroup; False if that is not possible here.
 
-        The v2 freezer (`cgroup.freeze`) or the v1 one (`freezer.state`): one
-        write, no process to start (`runsc pause`/`resume` cost a Go process
-        each, 100+ ms on a busy host). Waits for the kernel to report the new
+        The v2 freezer (`cgroup.freeze`): one write, no process to start
+        (`runsc pause`/`resume` cost a Go process each, 100+ ms on a busy host). Waits for the kernel to report the new
         state, so the processes really are stopped on return.
         """
-        if self.is_v2():
-            d = CGROUP_ROOT / self.path
-            control, value, events = "cgroup.freeze", "1" if frozen else "0", "cgroup.events"
-            want = f"frozen {1 if frozen else 0}"
-        else:
-            d = CGROUP_ROOT / "freezer" / self.path
-            control, value = "freezer.state", "FROZEN" if frozen else "THAWED"
-            events, want = "freezer.state", value
+        if not self.is_v2():
+            # The v1 freezer (`freezer.state`) was tried: a sandbox frozen by it
+            # under the ptrace platform, copied to disk and hibernated once failed
+            # to answer after its restore (CI, under load; not reproduced). Until
+            # that is understood, v1 hosts pause with `runsc pause`.
+            return False
+        d = CGROUP_ROOT / self.path
+        control, value, events = "cgroup.freeze", "1" if frozen else "0", "cgroup.events"
+        want = f"frozen {1 if frozen else 0}"
         try:
             (d / control).write_text(value)
         except OSError:

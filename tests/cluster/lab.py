@@ -420,7 +420,10 @@ class Lab:
             raise LabError("needs AENV_TEST_HOME built by `make test` (bundle, templates)")
         self._setup_bridge()
         if self.store == "s3":
-            self.s3 = MotoS3(bucket="aenv-lab", host=STORE_IP)
+            # a bucket per lab: moto keeps every bucket for the whole test process,
+            # and a lab's store holds what only its cluster secret opens (the OIDC
+            # key ring, secrets), which the next lab's nodes would refuse
+            self.s3 = MotoS3(bucket=f"aenv-lab-{secrets.token_hex(4)}", host=STORE_IP)
             self.s3.start()
             store_env = {**self.s3.env(), "AENV_STORE_URL": self.s3.url("cluster")}
         else:
@@ -822,7 +825,7 @@ class Lab:
             return None
         try:
             got = self.s3.boto().get_object(
-                Bucket="aenv-lab", Key=f"cluster/cluster/sandboxes/{sid}"
+                Bucket=self.s3.bucket, Key=f"cluster/cluster/sandboxes/{sid}"
             )
         except Exception:
             return None
