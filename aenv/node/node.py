@@ -411,21 +411,24 @@ class Node:
             "Chunk bytes fetched from the object store",
             lambda: [((), float(self.images.store.bytes_from_store))],
         )
-        toc = self.images.store.toc_layers
+
+        def toc(field: str) -> Any:  # read at each scrape, as the others
+            return lambda: [((), float(getattr(self.images.store.toc_layers, field)))]
+
         m.counter(
             "aenv_image_toc_layers_total",
             "Layers indexed from their table of contents (eStargz, zstd:chunked)",
-            lambda: [((), float(toc.layers_indexed))],
+            toc("layers_indexed"),
         )
         m.counter(
             "aenv_image_toc_fallbacks_total",
             "TOC-annotated layers that took the full download instead",
-            lambda: [((), float(toc.fallbacks))],
+            toc("fallbacks"),
         )
         m.counter(
             "aenv_image_toc_prefetched_bytes_total",
             "Chunk bytes of TOC layers fetched ahead of reads (eStargz prefetch landmark)",
-            lambda: [((), float(toc.prefetched_bytes))],
+            toc("prefetched_bytes"),
         )
 
     def _state_counts(self) -> list[tuple[tuple[tuple[str, str], ...], float]]:
