@@ -218,6 +218,8 @@ def leaks(home: Path, prefix: str = NET_PREFIX) -> list[str]:
     found += [f"nft {line}" for line in tables.splitlines() if line.split()[-1:] == [prefix]]
     mounts = Path("/proc/mounts").read_text()
     found += [f"mount {line}" for line in mounts.splitlines() if str(home) in line]
+    cgroups = Path("/sys/fs/cgroup")  # the node's cgroup parent, v2 or any v1 hierarchy
+    found += [f"cgroup {p}" for p in [cgroups / prefix, *cgroups.glob(f"*/{prefix}")] if p.is_dir()]
     return found
 
 

@@ -1165,6 +1165,22 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
         process_limit=config.process_limit_for,
     )
     roots = OverlayRoots()
+    try:
+        async with _node_on_runtime(config, runtime, roots, prefix, slot_cidr, api_key) as node:
+            yield node
+    finally:
+        await trio.to_thread.run_sync(runtime.release_parent)
+
+
+@asynccontextmanager
+async def _node_on_runtime(
+    config: Config,
+    runtime: GVisorRuntime,
+    roots: OverlayRoots,
+    prefix: str,
+    slot_cidr: str,
+    api_key: str,
+) -> AsyncIterator[Node]:
     live = await reap_leftovers(config, runtime=runtime, roots=roots)
     async with (
         open_images(config) as images,

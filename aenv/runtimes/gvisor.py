@@ -561,6 +561,24 @@ class GVisorRuntime:
                     os.close(fd)
             await self._stop(sandbox_id, _Cgroups(f"/{self.cgroup_parent}/{sandbox_id}"))
 
+    def release_parent(self) -> bool:
+        """Remove the node's cgroup parent (`/<cgroup_parent>` in each hierarchy)
+        if no sandbox cgroup is left in it; True if it is gone.
+
+        Called when the node stops, when nothing starts a sandbox any more (a
+        runsc mkdir of the parent racing this rmdir would fail a start);
+        sandboxes kept running across a restart keep it.
+        """
+        gone = True
+        for d in _Cgroups(self.cgroup_parent).dirs():
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                gone = False
+        return gone
+
     def _stale_ids(self) -> list[str]:
         ids = {p.name.split("_sandbox:", 1)[0] for p in self.state_root.glob("*_sandbox:*")}
         ids.update(

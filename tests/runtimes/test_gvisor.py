@@ -234,6 +234,24 @@ async def test_cancellation_tears_everything_down(
     assert not ovl.exists()
 
 
+async def test_the_cgroup_parent_is_released_once_empty(
+    tmp_path: Path, bundle: Path, busybox_lower: Path, netns: Any
+) -> None:
+    """A stopping node removes its cgroup parent, but not while a sandbox is in it."""
+    parent = f"aenvrel{os.getpid()}"
+    rt = GVisorRuntime(state_root=tmp_path / "runsc-state", cgroup_parent=parent)
+    async with open_writable_root([busybox_lower], tmp_path / "overlay") as root:
+        spec = make_spec(tmp_path, rootfs=root, bundle=bundle, netns=netns, code=SERVE)
+        async with rt.open_sandbox(spec):
+            await http_get(netns.guest_ip, 8080, "/hello", within=30)
+            parents = [CGROUP_ROOT / parent, *CGROUP_ROOT.glob(f"*/{parent}")]
+            assert any(p.exists() for p in parents)
+            assert not rt.release_parent()
+            await http_get(netns.guest_ip, 8080, "/hello", within=5)  # still served
+    assert rt.release_parent()
+    assert not [p for p in parents if p.exists()]
+
+
 def test_oci_config_shape(tmp_path: Path) -> None:
     spec = SandboxSpec(
         sandbox_id="abc",
