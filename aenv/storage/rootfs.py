@@ -115,7 +115,7 @@ _BUILD_CA = "tmp/.aenv-build-ca.pem"  # the host's CA certificates while pip run
 _RECIPE_FILE = "recipe"  # in a template's directory: the recipe it was built by
 # Bumped whenever a builder below changes what it makes: nodes then stop taking
 # builds of the old recipe from the store (`recipe`).
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: /etc/profile without `id -u` for bash
 RESOURCES = {  # cpu_count, memory_mb
     "base": (2, 512),
     "busybox": (1, 256),
@@ -275,7 +275,29 @@ def _configure_debian(root: Path, suite: str, mirror: str) -> None:
     # A sandbox is disposable: let `pip install` work without a venv, as on E2B.
     for marker in root.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):
         marker.unlink()
+    fast_login_profile(root / "etc/profile")
     _trim(root)
+
+
+def fast_login_profile(profile: Path) -> bool:
+    """Let bash read `profile` (Debian's /etc/profile) without starting a process.
+
+    Every `commands.run` of the E2B SDKs is a login shell (`bash -l -c`), and
+    Debian's /etc/profile asks `$(id -u)` who runs it: a fork and an exec,
+    about half of the shell's start under gVisor. bash knows the answer
+    (`$EUID`, read-only, never taken from the environment), so the test
+    becomes `${EUID:-$(id -u)}`: the same for bash, and other shells (dash's
+    `sh -l`) still ask `id`. True if the file was changed.
+    """
+    try:
+        text = profile.read_text()
+    except FileNotFoundError:
+        return False
+    fast = text.replace('"$(id -u)"', '"${EUID:-$(id -u)}"')
+    if fast == text:
+        return False
+    profile.write_text(fast)
+    return True
 
 
 def _trim(root: Path) -> None:
