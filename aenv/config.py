@@ -87,7 +87,12 @@ class Config:
     egress_port: int = 0
     default_timeout_s: int = 300
     max_timeout_s: int = 24 * 3600
-    max_sandboxes: int = 256
+    # Sandboxes the node holds in memory at once (AENV_MAX_SANDBOXES): running,
+    # or paused and not yet hibernated. Hibernated ones (paused, on disk) do not
+    # count: they are bounded by disk. A create or a resume past it is refused
+    # (503, retry), as is one while the host is short of memory
+    # (`hibernate_memory_low_pct`) with nothing paused left to hibernate.
+    max_sandboxes: int = 1024
     default_cpu: int = 2
     default_memory_mb: int = 512
     # Processes (threads included) each user of a sandbox may run at once
@@ -359,6 +364,11 @@ class Config:
             if disk != 0 and disk < 64:
                 raise ValueError(f"AENV_SANDBOX_DISK_MB must be 0 or at least 64, not {disk}")
             kw["sandbox_disk_mb"] = disk
+        if env.get("AENV_MAX_SANDBOXES"):
+            most = int(env["AENV_MAX_SANDBOXES"])
+            if most < 1:
+                raise ValueError(f"AENV_MAX_SANDBOXES must be at least 1, not {most}")
+            kw["max_sandboxes"] = most
         if env.get("AENV_POOL_SIZE"):
             kw["pool_size"] = int(env["AENV_POOL_SIZE"])
         if env.get("AENV_POOL_MAX"):

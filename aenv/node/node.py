@@ -273,11 +273,13 @@ class Node:
             ),
             refill_concurrency=config.pool_refill_concurrency,
             # half the room left under the sandbox limit; what memory allows
-            room=lambda: (config.max_sandboxes - len(self._sandboxes)) // 2,
+            room=lambda: (config.max_sandboxes - self.in_memory()) // 2,
             meminfo=host.meminfo,
             memory_low_pct=config.hibernate_memory_low_pct,
         )
         self._verified: set[str] = set()  # snapshots whose images were checked
+        # (MemAvailable, MemTotal) as the memory watcher last read them
+        self.memory_seen: tuple[int, int] | None = None
         self.metrics = Registry()
         self.m_created = self.metrics.counter("aenv_sandboxes_created_total", "Sandboxes created")
         self.m_create_failed = self.metrics.counter(
@@ -776,9 +778,37 @@ class Node:
                 raise
         return actor
 
+    def in_memory(self) -> int:
+        """Sandboxes holding host memory: running, or paused and not yet on disk
+        (hibernated ones hold none and do not count against `max_sandboxes`)."""
+        return sum(1 for a in self._sandboxes.values() if not _hibernated(a))
+
     def _check_capacity(self) -> None:
-        if len(self._sandboxes) >= self.config.max_sandboxes:
-            raise Busy("node (sandbox limit reached)", retry_after=5.0)
+        """Room for one more sandbox in memory, or `Busy`: under the sandbox limit,
+        and the host not short of memory with nothing paused left to hibernate
+        (the pressure watcher frees memory by hibernating frozen sandboxes)."""
+        if self.in_memory() >= self.config.max_sandboxes:
+            raise Busy(
+                f"node (sandbox limit reached: {self.config.max_sandboxes} in memory)",
+                retry_after=5.0,
+            )
+        low_pct = self.config.hibernate_memory_low_pct
+        if self.memory_seen is not None and not any(
+            a.frozen_pause for a in self._sandboxes.values()
+        ):
+            available, total = self.memory_seen
+            if pressure.short(available, total, low_pct):
+                raise Busy(
+                    f"node (host memory low: {available >> 20} MiB available of "
+                    f"{total >> 20} MiB, nothing paused to hibernate)",
+                    retry_after=5.0,
+                )
+
+    def check_room_to_resume(self, actor: SandboxActor) -> None:
+        """`Busy` if resuming `actor` (hibernated: it would take memory again)
+        finds no room; a sandbox already in memory always resumes."""
+        if _hibernated(actor):
+            self._check_capacity()
 
     async def boot_hidden(self, template: Template, *, timeout_s: int) -> SandboxActor:
         """A hidden sandbox of the node's own booted from `template` (`Launcher`)."""
@@ -1089,11 +1119,21 @@ class Node:
                     self.config.hibernate_memory_low_pct,
                     self.frozen_sandboxes,
                     self.hibernate_these,
-                    meminfo=self.host.meminfo,
+                    meminfo=self._read_meminfo,
                 )
             )
             await stop.wait()
             nursery.cancel_scope.cancel()
+
+    def _read_meminfo(self) -> tuple[int, int]:
+        """The host's memory, for the pressure watcher; what it read last is
+        what `_check_capacity` goes by (None while it reads nothing)."""
+        try:
+            self.memory_seen = self.host.meminfo()
+        except BaseException:
+            self.memory_seen = None
+            raise
+        return self.memory_seen
 
     async def frozen_sandboxes(self) -> Sequence[pressure.Frozen]:
         """The sandboxes paused in memory, with the memory each holds (for `pressure`)."""
@@ -1319,6 +1359,11 @@ async def open_node_on(
             await node.volumes.close()  # no sandbox runs on: nothing holds them
         finally:
             nursery.cancel_scope.cancel()
+
+
+def _hibernated(actor: SandboxActor) -> bool:
+    """Paused on disk (`on_disk` stays set after a resume until the record changes)."""
+    return actor.on_disk and actor.state is lc.State.PAUSED
 
 
 def _host_memory_mb() -> int:

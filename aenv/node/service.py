@@ -454,6 +454,7 @@ class LocalSandboxService:
 
     async def connect(self, sandbox_id: str, timeout_s: int) -> Connected:
         actor = self._actor(sandbox_id)
+        self._room_to_resume(actor)
         resumed = bool(await _ask(actor, Resume(timeout_s), PAUSE_S))
         if not resumed:
             await _ask(actor, ExtendTimeout(timeout_s))
@@ -461,6 +462,7 @@ class LocalSandboxService:
 
     async def resume(self, sandbox_id: str, timeout_s: int) -> SandboxInfo:
         actor = self._actor(sandbox_id)
+        self._room_to_resume(actor)
         if not await _ask(actor, Resume(timeout_s), PAUSE_S):
             raise Conflict(f"sandbox {sandbox_id!r} is already running")
         return _info(actor)
@@ -577,6 +579,12 @@ class LocalSandboxService:
                 await actor.mailbox.ask(Resume(None), timeout=PAUSE_S)
             except Exception as exc:  # the traffic then fails as for any paused sandbox
                 log.warning("auto-resume of %s failed: %r", sandbox_id, exc)
+
+    def _room_to_resume(self, actor: SandboxActor) -> None:
+        try:
+            self._node.check_room_to_resume(actor)
+        except mailbox.Busy as e:
+            raise Busy(str(e), e.retry_after) from None
 
     def _actor(self, sandbox_id: str) -> SandboxActor:
         """The addressable sandbox `sandbox_id` (raises NotFound)."""
