@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from aenv.config import Config
 from aenv.kit.mailbox import Busy
 from aenv.node.node import Node
 from aenv.node.sandbox import Pause, SandboxActor
@@ -94,3 +95,11 @@ async def test_a_host_short_of_memory_takes_no_new_sandbox(
         fake.memory.failures = 1
         await trio.sleep(1)
         await create(node)
+
+
+def test_the_limit_is_read_from_the_environment(tmp_path: Path) -> None:
+    home = {"AENV_HOME": str(tmp_path)}
+    assert Config.from_env(home).max_sandboxes == 1024
+    assert Config.from_env({**home, "AENV_MAX_SANDBOXES": "600"}).max_sandboxes == 600
+    with pytest.raises(ValueError, match="AENV_MAX_SANDBOXES must be at least 1"):
+        Config.from_env({**home, "AENV_MAX_SANDBOXES": "0"})
