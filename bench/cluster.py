@@ -67,6 +67,7 @@ sys.path.insert(0, str(REPO))
 
 from aenv.proto.clusterroute import HOP_HEADER  # noqa: E402
 from aenv.proto.swim import SwimConfig, suspicion_timeout  # noqa: E402
+from bench.run import Interrupted, bench_home, interrupt_on_sigterm  # noqa: E402
 from tests.conftest import NodeProc, leaks, link_home, start_node, stop_node  # noqa: E402
 
 NAMES = ("bench-1", "bench-2", "bench-3")  # the last character picks the prefix and range
@@ -78,10 +79,6 @@ SMALL_FILE = "/tmp/aenv-bench-small.txt"
 POLL_S = 0.05
 RESULTS = REPO / "bench" / "results"
 SUSPECTED = re.compile(r"node (\S+) is suspected")
-
-
-class Interrupted(BaseException):
-    """SIGTERM arrived: unwind through every cleanup block."""
 
 
 def stats(samples: list[float]) -> dict[str, Any]:
@@ -491,18 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", action="append", default=[],
                    choices=("quiet", "routing", "placement", "detection"))  # fmt: skip
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        p.error("must run as root (runsc, network namespaces)")
-    built = (
-        args.home or Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")
-    ).resolve()
-    if not (built / "bundle").is_dir() or not (built / "templates").is_dir():
-        p.error(f"{built} has no bundle/ and templates/; build it with `make test-artefacts`")
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    built = bench_home(p, args.home)
+    interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     report: dict[str, Any] = {
         "started": started.isoformat(),

@@ -52,7 +52,6 @@ import platform
 import re
 import secrets
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -78,6 +77,8 @@ from bench.run import (  # noqa: E402
     Series,
     _describe,
     _sdk_env,
+    bench_home,
+    interrupt_on_sigterm,
     percentile,
     run,
     runsc_version,
@@ -827,22 +828,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--n must be in 1..50")
     if not 1 <= args.total_mb <= 8192 or args.files < 3:
         p.error("--total-mb must be in 1..8192 and --files at least 3")
-    if os.geteuid() != 0:
-        p.error("must run as root (runsc, network namespaces, FUSE)")
-    home = (
-        args.home or Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")
-    ).resolve()
-    if not (home / "bundle").is_dir():
-        p.error(f"{home} has no bundle/; build it with `make test-artefacts`")
+    home = bench_home(p, args.home, needs=("bundle",), why="runsc, network namespaces, FUSE")
     config = Config.from_env()
     for tool in (config.runsc_binary, "skopeo", "umoci", REGISTRY_BIN, str(BUSYBOX)):
         if shutil.which(tool) is None:
             p.error(f"{tool} not found")
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     workdir = Path(tempfile.mkdtemp(prefix="aenv-bench-images-"))
     try:

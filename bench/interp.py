@@ -38,7 +38,6 @@ import os
 import platform
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -49,10 +48,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.run import (  # noqa: E402
-    Interrupted,
     Series,
     _describe,
     _sdk_env,
+    interrupt_on_sigterm,
     loadavg,
     percentile,
     runsc_version,
@@ -181,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.home} has no code-interpreter-v1: make test-artefacts", file=sys.stderr)
         return 2
 
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Interrupted()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    interrupt_on_sigterm()
     results = {key: Series() for key, _ in ROWS}
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-interp-"))
     private = work / "home"

@@ -142,6 +142,34 @@ class Interrupted(BaseException):
     """SIGTERM arrived: unwind through every cleanup block."""
 
 
+def interrupt_on_sigterm() -> None:
+    """From now on SIGTERM raises `Interrupted` in the main thread, so a
+    benchmark stopped by a timeout still stops its nodes and removes its files."""
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise Interrupted(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def bench_home(
+    p: argparse.ArgumentParser,
+    given: Path | None,
+    *,
+    needs: tuple[str, ...] = ("bundle", "templates"),
+    why: str = "runsc, network namespaces",
+) -> Path:
+    """The built home a benchmark runs from (`given`, else $AENV_TEST_HOME, else
+    .state/test-home), checked: root, and `needs` in it; else `p.error`."""
+    if os.geteuid() != 0:
+        p.error(f"must run as root ({why})")
+    home = (given or Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")).resolve()
+    missing = [n for n in needs if not (home / n).is_dir()]
+    if missing:
+        p.error(f"{home} has no {', '.join(missing)}; build it with `make test-artefacts`")
+    return home
+
+
 @dataclass
 class Series:
     samples: list[float] = field(default_factory=list)
@@ -1050,21 +1078,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.n <= 10_000:
         p.error("--n must be in 1..10000")
-    if os.geteuid() != 0:
-        p.error("must run as root (runsc, network namespaces)")
-    home = (
-        args.home or Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")
-    ).resolve()
-    if not (home / "bundle").is_dir() or not (home / "templates").is_dir():
-        p.error(f"{home} has no bundle/ and templates/; build it with `make test-artefacts`")
+    home = bench_home(p, args.home)
     config = Config.from_env()
     if shutil.which(config.runsc_binary) is None:
         p.error(f"{config.runsc_binary} not found")
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     load_start = loadavg()
     aenv_res: dict[str, Series] | None = None
