@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from aenv.runtimes import memvalve
 from aenv.runtimes.base import (
     CheckpointError,
     RunningSandbox,
@@ -128,6 +129,13 @@ class GVisorSandbox:
     @property
     def host_oom_killed(self) -> bool:
         return self._oom_killed
+
+    async def guard_memory(self, on_event: Callable[[str], None]) -> None:
+        """Until cancelled: the relief valve on the host memory limit
+        (`aenv.runtimes.memvalve`); returns at once on hosts without one (v2)."""
+        if not self._cgroups.is_v2():
+            cgroup = memvalve.Cgroup(CGROUP_ROOT / "memory" / self._cgroups.path)
+            await memvalve.open_valve(cgroup, on_event)
 
     @property
     def sandbox_id(self) -> str:
