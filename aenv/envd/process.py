@@ -179,6 +179,9 @@ class ProcessService:
         self._users = users
         self._resolve_user = resolve_user
         self.live: dict[int, ManagedProcess] = {}
+        # spawns under way whose pid is not in `live` yet (the orphan reaper
+        # must not collect such a child if it exits at once)
+        self.spawning = 0
         self.retained: OrderedDict[int, ManagedProcess] = OrderedDict()
 
     def handlers(self) -> dict[str, Any]:
@@ -385,6 +388,7 @@ class ProcessService:
         *,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        self.spawning += 1
         try:
             proc = await self._spawn(mp, argv, env, cwd, user, pty, stdin_enabled)
         except OSError as e:
@@ -392,9 +396,12 @@ class ProcessService:
                 Code.INVALID_ARGUMENT,
                 f"error starting process '{' '.join(argv)}': {e.strerror or e}",
             ) from None
-        mp.proc = proc
-        mp.pid = proc.pid
-        self.live[mp.pid] = mp
+        else:
+            mp.proc = proc
+            mp.pid = proc.pid
+            self.live[mp.pid] = mp
+        finally:
+            self.spawning -= 1
         self.retained.pop(mp.pid, None)
         task_status.started(mp.pid)
         mp.last_output = trio.current_time()

@@ -144,7 +144,7 @@ async def serve_envd(
         if guard:
             state.process_limit = DEFAULT_PROCESS_LIMIT
             services.start_soon(lambda: watch_memory(spare=app.process.spawner_pids))
-            services.start_soon(reap_orphans, app.process.live.keys)
+            services.start_soon(reap_orphans, app.process.live.keys, lambda: app.process.spawning)
         config = hypercorn_config(host, port, access_log=access_log)
         trigger = _wait_for_signal if handle_signals else None
         status: trio.TaskStatus[list[str]] | None = task_status

@@ -1180,6 +1180,9 @@ class SandboxActor:
 
             nursery.start_soon(watch_exit)
             nursery.start_soon(follow_kills, self.workdir / "console.log", self._on_oom_kill)
+            guard = getattr(running, "guard_memory", None)  # (gVisor on cgroup v1 hosts)
+            if guard is not None:
+                nursery.start_soon(guard, self._on_memory_valve)
             while self.lifecycle.state is lc.State.RUNNING:
                 deadline = self.lifecycle.deadline
                 assert deadline is not None
@@ -1190,6 +1193,9 @@ class SandboxActor:
                 if self.lifecycle.step(lc.Expire(trio.current_time())):
                     self._log("timeout reached")
             nursery.cancel_scope.cancel()
+
+    def _on_memory_valve(self, message: str) -> None:
+        self._log(message, level="warn", event="memory-valve")
 
     def _on_oom_kill(self, kill: OomKill) -> None:
         self._log(kill.describe(), level="warn", event="oom-kill", pid=str(kill.pid))

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from aenv.runtimes import memvalve
 from aenv.runtimes.base import (
     CheckpointError,
     RunningSandbox,
@@ -128,6 +129,13 @@ class GVisorSandbox:
     @property
     def host_oom_killed(self) -> bool:
         return self._oom_killed
+
+    async def guard_memory(self, on_event: Callable[[str], None]) -> None:
+        """Until cancelled: the relief valve on the host memory limit
+        (`aenv.runtimes.memvalve`); returns at once on hosts without one (v2)."""
+        if not self._cgroups.is_v2():
+            cgroup = memvalve.Cgroup(CGROUP_ROOT / "memory" / self._cgroups.path)
+            await memvalve.open_valve(cgroup, on_event)
 
     @property
     def sandbox_id(self) -> str:
@@ -382,6 +390,18 @@ class GVisorRuntime:
         """
         cgroups.set_memory_limit(self.host_memory_bytes(spec.memory_mb))
         cgroups.set_io_weight(self.io_weight)
+        cgroups.set_pids_limit(self.host_tasks_limit(spec.memory_mb))
+
+    def host_tasks_limit(self, memory_mb: int) -> int:
+        """The most host tasks (threads) a sandbox of `memory_mb` may hold: a
+        quarter of the host's `kernel.pid_max` (which every sandbox shares),
+        and never less than 8 per process of its process limit (systrap needs
+        about one per guest thread). ptrace keeps a host thread per sentry
+        thread and guest address space, never freed, so a fork bomb grows a
+        sandbox to thousands; past this the sandbox dies instead of leaving
+        the host unable to fork."""
+        processes = self.process_limit(memory_mb) if self.process_limit is not None else 1024
+        return max(_pid_max() // 4, 8 * processes)
 
     def _running(self, spec: SandboxSpec, cgroups: _Cgroups) -> GVisorSandbox:
         """The sandbox runsc runs as `spec.sandbox_id`, if it is alive (blocking)."""
@@ -778,6 +798,12 @@ class _Cgroups:
                     return int(value)
         return 0
 
+    def set_pids_limit(self, limit: int) -> None:
+        """Set the host's task limit (pids.max; best effort: a host may not have the controller)."""
+        d = CGROUP_ROOT / self.path if self.is_v2() else CGROUP_ROOT / "pids" / self.path
+        with contextlib.suppress(OSError):
+            (d / "pids.max").write_text(str(limit))
+
     def set_io_weight(self, weight: int) -> bool:
         """Set the I/O weight (1..1000 on v1's scale) where the host has one; False if not."""
         if self.is_v2():
@@ -813,6 +839,13 @@ class _Cgroups:
                     return int(value) * 1000
             return 0
         return _read_int(CGROUP_ROOT / "cpuacct" / self.path / "cpuacct.usage")
+
+
+def _pid_max() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 32768
 
 
 def _read_int(path: Path) -> int:

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +28,16 @@ import pytest
 from e2b import CommandExitException, Sandbox
 from e2b.exceptions import NotFoundException, SandboxException
 
-from tests.conftest import NET_PREFIX, NodeProc, requires_node
+from tests.conftest import (
+    NET_PREFIX,
+    NodeProc,
+    built_home,
+    link_home,
+    requires_node,
+    sdk_pointed_at,
+    start_node,
+    stop_node,
+)
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -229,3 +241,56 @@ def test_hostile_requests_get_400(node: NodeProc) -> None:
         r = httpx.get(f"{node.url}/health", headers={"Host": host})
         assert r.status_code == 400, host[:20]
         assert r.json()["code"] == 400
+
+
+@pytest.mark.slow
+def test_all_three_hogs_for_minutes_under_systrap() -> None:
+    # The default-suite test above runs them for 25 s under the session node's
+    # platform; here for minutes, on a node of its own with systrap (under ptrace
+    # the runtime's host threads grow until the sandbox dies after ~2 minutes:
+    # docs/performance.md). The host's limit is reached now and then: the relief
+    # valve lets envd act instead of the host killing the sandbox.
+    built = built_home()
+    assert built is not None
+    home = Path(tempfile.mkdtemp(prefix="aenv-test-pressure-"))
+    link_home(built, home)
+    env = {"AENV_RUNSC_PLATFORM": "systrap", "AENV_NET_PREFIX": "", "AENV_SLOT_CIDR": ""}
+    n = start_node(
+        home, api_key="aenv_test_" + secrets.token_hex(8), log_path=home / "node.log", extra_env=env
+    )
+    hogs_s = 200
+    try:
+        with sdk_pointed_at(n.url, n.api_key):
+            s = Sandbox.create(TEMPLATE, timeout=900)
+            mem = "i=0; while true; do python3 -c 'x = bytearray(2*1024**3)'; i=$((i+1)); echo $i > /var/tmp/mem; done"
+            disk = (
+                "i=0; while true; do dd if=/dev/zero of=/home/user/fill bs=1M 2>/dev/null; "
+                "rm -f /home/user/fill; i=$((i+1)); echo $i > /var/tmp/disk; done"
+            )
+            s.commands.run("bash -c 'b(){ b|b& }; b' >/dev/null 2>&1", background=True)
+            for loop in (mem, disk):
+                s.commands.run(
+                    f"timeout {hogs_s} sh -c {shlex.quote(loop)} >/dev/null 2>&1",
+                    background=True,
+                    user="root",
+                )
+            t0 = time.monotonic()
+            rounds: list[list[str]] = []
+            while time.monotonic() - t0 < hogs_s:
+                time.sleep(20)
+                r = s.commands.run("cat /var/tmp/mem /var/tmp/disk", user="root", timeout=120)
+                rounds.append(r.stdout.split())
+            with contextlib.suppress(CommandExitException):
+                s.commands.run(
+                    "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
+                    user="root",
+                    timeout=120,
+                )
+            assert s.commands.run("echo alive").stdout.strip() == "alive"
+            # both hogs went on to the end, one round after another
+            assert int(rounds[-1][0]) > int(rounds[len(rounds) // 2][0]) > int(rounds[0][0])
+            assert int(rounds[-1][1]) > int(rounds[len(rounds) // 2][1]) > int(rounds[0][1])
+            s.kill()
+    finally:
+        stop_node(n)
+        shutil.rmtree(home, ignore_errors=True)

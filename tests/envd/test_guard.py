@@ -11,6 +11,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,46 @@ def test_exited_children_envd_did_not_start_are_collected() -> None:
     assert not os.path.exists(f"/proc/{stray.pid}")
     assert not os.path.exists(f"/proc/{later[0].pid}")
     assert ours.wait() == 0
+
+
+def test_a_burst_of_orphans_is_collected_at_once() -> None:
+    # a fork bomb's orphans come by the hundred: each is collected on sight
+    # (no look twice while envd starts nothing)
+    me = os.getpid()
+    strays = [subprocess.Popen(["true"]) for _ in range(100)]
+    took = -1.0
+
+    async def reaping() -> None:
+        nonlocal took
+        async with trio.open_nursery() as nursery:
+            t0 = trio.current_time()
+            nursery.start_soon(reap_orphans, set)
+            for _ in range(200):
+                await trio.sleep(0.01)
+                if not {p.pid for p in strays} & read_zombies(me):
+                    took = trio.current_time() - t0
+                    break
+            nursery.cancel_scope.cancel()
+
+    trio.run(reaping)
+    assert 0 <= took < 1.0
+
+
+def test_while_envd_starts_a_process_a_new_zombie_waits_a_look() -> None:
+    me = os.getpid()
+    fresh = subprocess.Popen(["true"])  # as if envd were about to register it
+    for _ in range(500):
+        if fresh.pid in read_zombies(me):
+            break
+        time.sleep(0.01)
+
+    async def reaping() -> set[int]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reap_orphans, set, lambda: 1)
+            await trio.sleep(0.05)
+            seen = read_zombies(me)
+            nursery.cancel_scope.cancel()
+        return seen
+
+    assert fresh.pid in trio.run(reaping)  # not collected at first sight
+    fresh.wait()

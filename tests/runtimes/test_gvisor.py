@@ -145,6 +145,9 @@ async def test_sandbox_writes_to_overlay_serves_http_and_leaves_nothing(
             limit = CGROUP_ROOT / "memory" / CGROUP_PARENT / spec.sandbox_id
             assert int((limit / "memory.limit_in_bytes").read_text()) == rt.host_memory_bytes(300)
             assert rt.host_memory_bytes(300) == (300 + 256) * 1024 * 1024
+            # and its host tasks, so ptrace's threads cannot use up the host's pids
+            pids = CGROUP_ROOT / "pids" / CGROUP_PARENT / spec.sandbox_id / "pids.max"
+            assert int(pids.read_text()) == rt.host_tasks_limit(300)
             cpu = CGROUP_ROOT / "cpu" / CGROUP_PARENT / spec.sandbox_id
             quota = int((cpu / "cpu.cfs_quota_us").read_text())
             assert quota == int((cpu / "cpu.cfs_period_us").read_text())
@@ -314,6 +317,14 @@ def test_host_memory_grows_with_the_process_limit(tmp_path: Path) -> None:
     assert rt.host_memory_bytes(512) == (512 + 256 + 128 * gvisor.MIB_PER_PROCESS) * MiB
     assert rt.host_memory_bytes(4096) == (4096 + 512 + 1024 * gvisor.MIB_PER_PROCESS) * MiB
     assert GVisorRuntime(state_root=tmp_path).host_memory_bytes(512) == (512 + 256) * MiB
+
+
+def test_host_tasks_are_a_share_of_the_hosts_pids(tmp_path: Path) -> None:
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    rt = GVisorRuntime(state_root=tmp_path, process_limit=lambda memory_mb: memory_mb // 4)
+    assert rt.host_tasks_limit(512) == max(pid_max // 4, 8 * 128)
+    # never below what systrap needs for the guest's own limit
+    assert rt.host_tasks_limit(1 << 20) == max(pid_max // 4, 8 * (1 << 18))
 
 
 async def test_reap_stale_after_node_crash(
