@@ -764,7 +764,10 @@ class SandboxActor:
         what = "hibernate" if self._hibernating else "pause"
         crash_point(f"{what}.captured")
         assert self._runtime_stack is not None
+        running = self._running
         await self._runtime_stack.aclose()
+        if image is not None:  # (on disk for a while: its difference from its base)
+            await running.compact_image(image)
         upper = await self.node.host.roots.unmount(disk)
         if behind is not None:  # its files too (the upper goes with the disk)
             self.stack = behind[1]

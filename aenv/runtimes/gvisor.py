@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import select
 import shlex
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from aenv.runtimes import pagepack
 from aenv.runtimes.base import (
     CheckpointError,
     RunningSandbox,
@@ -54,6 +56,8 @@ from aenv.runtimes.base import (
 )
 
 __all__ = ["GVisorCheckpointError", "GVisorError", "GVisorRuntime", "GVisorSandbox"]
+
+log = logging.getLogger("aenv.gvisor")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Host memory per guest task outside the guest's own memory, in MiB: with the
@@ -124,6 +128,9 @@ class GVisorSandbox:
     # stopped by `runsc pause` (the freezer where there is no cgroup v2 one)
     _runsc_paused: bool = False
     _oom_killed: bool = False
+    # the memory image it was restored from (None: booted), which a memory
+    # image of it is packed against (`compact_image`)
+    restored_from: Path | None = None
 
     @property
     def host_oom_killed(self) -> bool:
@@ -178,6 +185,32 @@ class GVisorSandbox:
         finally:
             for fd in pidfds:
                 os.close(fd)
+
+    async def compact_image(self, image_dir: Path) -> None:
+        """Store `image_dir` (a memory image of this sandbox, no longer running)
+        as its difference from the image it was restored from (`aenv.runtimes.pagepack`).
+
+        Only uncompressed images (compressed ones are not whole pages); a
+        booted sandbox's image stays as it is. Never fails the caller: an
+        image that cannot be packed stays whole.
+        """
+        if self.restored_from is None or self._runtime.compression != "none":
+            return
+        base = pagepack.base_of(self.restored_from)
+        if base is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            done = await trio.to_thread.run_sync(pagepack.pack, image_dir, base)
+        except OSError as e:
+            log.warning("sandbox %s: its memory image stays whole: %r", self.sandbox_id, e)
+            return
+        if done is not None:
+            log.info(
+                "sandbox %s: memory image packed, %d of %d pages its own, %.1f MiB (%.0f ms)",
+                self.sandbox_id, done.pages - done.shared, done.pages,
+                done.written / (1 << 20), 1000 * (time.perf_counter() - t0),
+            )  # fmt: skip
 
     async def freeze(self) -> None:
         """Stop every process of the sandbox; memory stays.
@@ -340,6 +373,10 @@ class GVisorRuntime:
         if self.net_disconnect_ok is None:
             self.net_disconnect_ok = await trio.to_thread.run_sync(self._knows_net_disconnect_ok)
         await trio.to_thread.run_sync(self._write_bundle, spec)
+        # a hibernated image stored as its difference from its base: whole again
+        unpacked = image_dir is not None and await trio.to_thread.run_sync(
+            pagepack.unpack, image_dir
+        )
         pid_file = spec.workdir / "sandbox.pid"
         verb = ["run"] if image_dir is None else ["restore", "--image-path", str(image_dir)]
         cmd = self._command(
@@ -363,7 +400,11 @@ class GVisorRuntime:
                 f"{_tail(spec.log_path)}"
             )
         pid = int(pid_file.read_text().strip())
-        return GVisorSandbox(spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self)
+        if unpacked and image_dir is not None:  # restored: runsc has read it (the pack stays)
+            await trio.to_thread.run_sync(pagepack.drop_unpacked, image_dir)
+        return GVisorSandbox(
+            spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self, restored_from=image_dir
+        )
 
     def host_memory_bytes(self, memory_mb: int) -> int:
         """The host's memory limit of a sandbox of `memory_mb`: its size plus the

@@ -27,7 +27,7 @@ import trio
 
 from aenv.runtimes.base import CheckpointError, SandboxSpec
 from aenv.runtimes.gvisor import CGROUP_ROOT, GVisorRuntime, GVisorSandbox
-from aenv.storage.bundle import envd_command
+from aenv.storage.bundle import envd_command, python_command
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.overlay import open_writable_root, unmount_root
 from tests.runtimes.nets import Net
@@ -86,7 +86,7 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
 
 
 def make_spec(tmp_path: Path, name: str, *, rootfs: Path, bundle: Path, net: Net) -> SandboxSpec:
-    argv, env = envd_command()
+    env = envd_command()[1]
     sandbox_id = f"t{name}{secrets.token_hex(3)}"
     return SandboxSpec(
         sandbox_id=sandbox_id,
@@ -98,7 +98,7 @@ def make_spec(tmp_path: Path, name: str, *, rootfs: Path, bundle: Path, net: Net
         hostname=f"sbx-{name}",
         workdir=tmp_path / f"driver-{name}",
         log_path=tmp_path / f"console-{name}.log",
-        init_argv=(*argv[: argv.index("-m")], "-c", textwrap.dedent(GUEST)),
+        init_argv=(*python_command()[0], "-c", textwrap.dedent(GUEST)),
         init_env=env,
     )
 
