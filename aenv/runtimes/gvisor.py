@@ -201,7 +201,9 @@ class GVisorSandbox:
             return
         t0 = time.perf_counter()
         try:
-            done = await trio.to_thread.run_sync(pagepack.pack, image_dir, base)
+            done = await trio.to_thread.run_sync(
+                pagepack.pack, image_dir, base, limiter=self._runtime.packs
+            )
         except OSError as e:
             log.warning("sandbox %s: its memory image stays whole: %r", self.sandbox_id, e)
             return
@@ -318,6 +320,9 @@ class GVisorRuntime:
         self.cgroup_parent = cgroup_parent.strip("/")
         # None: use the flag if this runsc knows it (probed once, on first start).
         self.net_disconnect_ok = net_disconnect_ok
+        # one hibernated image packed at a time: CPU-bound, and a burst of
+        # hibernations must not take a worker thread (and its heap) each
+        self.packs = trio.CapacityLimiter(1)
 
     # -- starting -------------------------------------------------------
 

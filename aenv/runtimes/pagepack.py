@@ -28,11 +28,13 @@ own page `-1 - n`), and the compressed own pages.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import struct
 import sys
 import zlib
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,9 +110,9 @@ def pack(image_dir: Path, base: Path) -> Packed | None:
     except OSError:  # (another file system)
         return None
     try:
-        data = pages_path.read_bytes()
-        base_data = base.read_bytes()
-        body, own = _diff(memoryview(data), memoryview(base_data))
+        # mapped, not read: the node's heap never holds the images
+        with _mapped(pages_path) as data, _mapped(base) as base_data:
+            body, own = _diff(data, base_data)
         tmp_pack = image_dir / (PACK + ".tmp")
         tmp_pack.write_bytes(body)
         tmp_pack.rename(image_dir / PACK)
@@ -161,7 +163,30 @@ def unpack(image_dir: Path) -> bool:
     if not is_packed(image_dir):
         return False
     body = (image_dir / PACK).read_bytes()
-    base = (image_dir / BASE).read_bytes()
+    with _mapped(image_dir / BASE) as base:
+        _write_unpacked(image_dir, body, base)
+    return True
+
+
+@contextlib.contextmanager
+def _mapped(path: Path) -> Iterator[memoryview]:
+    """`path`'s bytes, mapped read-only (an empty file: empty)."""
+    with path.open("rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield memoryview(b"")
+            return
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(m)
+    try:
+        yield view
+    finally:
+        # (slices still held by a traceback keep it mapped until collected)
+        with contextlib.suppress(BufferError):
+            view.release()
+            m.close()
+
+
+def _write_unpacked(image_dir: Path, body: bytes, base: memoryview) -> None:
     head = len(MAGIC) + _HEADER.size
     if body[: len(MAGIC)] != MAGIC or len(body) < head:
         raise PackError(f"{image_dir / PACK}: not a page pack")
@@ -178,21 +203,20 @@ def unpack(image_dir: Path) -> bool:
         raise PackError(f"{image_dir / PACK}: {e}") from None
     if len(own) != n_own * PAGE:
         raise PackError(f"{image_dir / PACK}: {len(own)} bytes of own pages, not {n_own * PAGE}")
-    base_view, own_view = memoryview(base), memoryview(own)
+    own_view = memoryview(own)
     if any(at >= len(base) // PAGE for at in page_map):
         raise PackError(f"{image_dir / PACK}: a page beyond its base")
     got = 0
     tmp = image_dir / (PAGES + ".tmp")
     with tmp.open("wb") as out:
         for source, start, count in _runs(page_map):
-            chunk = (base_view if source else own_view)[start * PAGE : (start + count) * PAGE]
-            got = zlib.crc32(chunk, got)
-            out.write(chunk)
+            with (base if source else own_view)[start * PAGE : (start + count) * PAGE] as chunk:
+                got = zlib.crc32(chunk, got)
+                out.write(chunk)
     if got != crc:
         tmp.unlink()
         raise PackError(f"{image_dir / PACK}: pages do not match the image packed (CRC)")
     tmp.rename(image_dir / PAGES)
-    return True
 
 
 def _runs(page_map: array[int]) -> list[tuple[bool, int, int]]:
