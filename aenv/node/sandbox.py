@@ -595,6 +595,8 @@ class SandboxActor:
                 task_status.started(self)
             else:
                 self.lifecycle.step(lc.Resumed(trio.current_time()))
+                # (its image stays, but its next pause is in memory until written)
+                self.on_disk = False
                 await self._journal("running")
                 phases.mark("journal")
                 self._log(f"resumed in {phases}")

@@ -220,7 +220,8 @@ def test_a_hibernated_sandbox_is_stored_as_its_difference_from_its_template(
     r.start()
     Sandbox.create("base", timeout=60).kill()  # (booted: the template's snapshot is taken)
     deadline = time.monotonic() + 120
-    while not list((r.home / "snapshots").glob("*/image/pages.img")):
+    assert r.node is not None
+    while "is now a snapshot" not in r.node.log_tail(400):
         assert time.monotonic() < deadline, "no memory image of the template"
         time.sleep(0.5)
     s = Sandbox.create("base", timeout=300)
@@ -235,6 +236,8 @@ def test_a_hibernated_sandbox_is_stored_as_its_difference_from_its_template(
     s.commands.send_stdin(held.pid, "kept in memory\n")
     for _ in range(2):
         s.pause()
+        # in memory (frozen) first, also after a resume from disk
+        assert r.get(f"/sandboxes/{sid}").json()["pausedInMemory"] is True
         deadline = time.monotonic() + 30
         while True:
             d = r.get(f"/sandboxes/{sid}").json()
