@@ -34,6 +34,7 @@ import logging
 import os
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -378,10 +379,23 @@ class GVisorRuntime:
         if self.net_disconnect_ok is None:
             self.net_disconnect_ok = await trio.to_thread.run_sync(self._knows_net_disconnect_ok)
         await trio.to_thread.run_sync(self._write_bundle, spec)
-        # a hibernated image stored as its difference from its base: whole again
-        unpacked = image_dir is not None and await trio.to_thread.run_sync(
-            pagepack.unpack, image_dir
+        # a hibernated image stored as its difference from its base: whole
+        # again, in a directory of this restore's own (removed once restored)
+        unpacked: Path | None = None
+        if image_dir is not None and await trio.to_thread.run_sync(pagepack.is_packed, image_dir):
+            unpacked = spec.workdir / "unpacked-image"
+            await trio.to_thread.run_sync(pagepack.unpack, image_dir, unpacked)
+        try:
+            pid = await self._runsc_start(spec, unpacked or image_dir)
+        finally:
+            if unpacked is not None:
+                await trio.to_thread.run_sync(shutil.rmtree, unpacked, True)
+        return GVisorSandbox(
+            spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self, restored_from=image_dir
         )
+
+    async def _runsc_start(self, spec: SandboxSpec, image_dir: Path | None) -> int:
+        """`runsc run` (or `restore` of `image_dir`), detached; the sandbox's pid."""
         pid_file = spec.workdir / "sandbox.pid"
         verb = ["run"] if image_dir is None else ["restore", "--image-path", str(image_dir)]
         cmd = self._command(
@@ -404,12 +418,7 @@ class GVisorRuntime:
                 f"runsc {verb[0]} {spec.sandbox_id} exited {proc.returncode}: "
                 f"{_tail(spec.log_path)}"
             )
-        pid = int(pid_file.read_text().strip())
-        if unpacked and image_dir is not None:  # restored: runsc has read it (the pack stays)
-            await trio.to_thread.run_sync(pagepack.drop_unpacked, image_dir)
-        return GVisorSandbox(
-            spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self, restored_from=image_dir
-        )
+        return int(pid_file.read_text().strip())
 
     def host_memory_bytes(self, memory_mb: int) -> int:
         """The host's memory limit of a sandbox of `memory_mb`: its size plus the

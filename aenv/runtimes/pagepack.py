@@ -13,9 +13,11 @@ other (`pages_meta.img` says where each goes). `pack` replaces it with:
   the base or of a page of its own, then its own pages, zlib-compressed
   (fast level), and the CRC-32 and size of the whole `pages.img`.
 
-`unpack` writes `pages.img` back (checked against that CRC) before `runsc
-restore` reads it; the restored sandbox then needs it no more, and
-`drop_unpacked` removes it again. Every step leaves a directory that
+`unpack` writes a whole image (the other files linked, `pages.img` from
+the pack and the base, checked against that CRC) into a directory of the
+restore's own, which `runsc restore` reads and the driver removes once
+restored: the packed image is never changed, so restores from it may run
+at once (fork children). Every step of `pack` leaves a directory that
 restores: `pages.img` is removed only once the pack and the base link are
 in place, and where `pages.img` exists it is used as it is.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import shutil
 import struct
 import sys
 import zlib
@@ -43,7 +46,6 @@ __all__ = [
     "PackError",
     "Packed",
     "base_of",
-    "drop_unpacked",
     "is_packed",
     "pack",
     "unpack",
@@ -154,18 +156,27 @@ def _diff(data: memoryview, base: memoryview) -> tuple[bytes, int]:
     return MAGIC + header + page_map.tobytes() + own_bytes, n_own
 
 
-def unpack(image_dir: Path) -> bool:
-    """Write `image_dir`'s `pages.img` from its pack and base (blocking).
+def unpack(image_dir: Path, dest: Path) -> None:
+    """Make `dest` a whole image of packed `image_dir`, for one restore (blocking).
 
-    False if there was nothing to do (not packed). Raises PackError for a
+    `dest` (replaced if it exists) gets hard links to (or copies of) the
+    image's other files and its `pages.img` written from the pack and the
+    base; `image_dir` is not changed, so any number of restores may unpack
+    it at once, each into a directory of its own. Raises PackError for a
     pack that does not give back the image it was made of.
     """
-    if not is_packed(image_dir):
-        return False
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in image_dir.iterdir():
+        if f.name in (PACK, BASE) or not f.is_file():
+            continue
+        try:
+            os.link(f, dest / f.name)
+        except OSError:  # (another file system)
+            shutil.copy2(f, dest / f.name)
     body = (image_dir / PACK).read_bytes()
     with _mapped(image_dir / BASE) as base:
-        _write_unpacked(image_dir, body, base)
-    return True
+        _write_unpacked(dest, body, base, name=image_dir / PACK)
 
 
 @contextlib.contextmanager
@@ -186,13 +197,13 @@ def _mapped(path: Path) -> Iterator[memoryview]:
             m.close()
 
 
-def _write_unpacked(image_dir: Path, body: bytes, base: memoryview) -> None:
+def _write_unpacked(dest: Path, body: bytes, base: memoryview, *, name: Path) -> None:
     head = len(MAGIC) + _HEADER.size
     if body[: len(MAGIC)] != MAGIC or len(body) < head:
-        raise PackError(f"{image_dir / PACK}: not a page pack")
+        raise PackError(f"{name}: not a page pack")
     page, pages, n_own, crc, size, packed_len = _HEADER.unpack_from(body, len(MAGIC))
     if page != PAGE or size != pages * PAGE or len(body) != head + 4 * pages + packed_len:
-        raise PackError(f"{image_dir / PACK}: damaged header")
+        raise PackError(f"{name}: damaged header")
     page_map = array("i")
     page_map.frombytes(body[head : head + 4 * pages])
     if sys.byteorder != "little":  # pragma: no cover
@@ -200,14 +211,14 @@ def _write_unpacked(image_dir: Path, body: bytes, base: memoryview) -> None:
     try:
         own = zlib.decompress(body[head + 4 * pages :])
     except zlib.error as e:
-        raise PackError(f"{image_dir / PACK}: {e}") from None
+        raise PackError(f"{name}: {e}") from None
     if len(own) != n_own * PAGE:
-        raise PackError(f"{image_dir / PACK}: {len(own)} bytes of own pages, not {n_own * PAGE}")
+        raise PackError(f"{name}: {len(own)} bytes of own pages, not {n_own * PAGE}")
     own_view = memoryview(own)
     if any(at >= len(base) // PAGE for at in page_map):
-        raise PackError(f"{image_dir / PACK}: a page beyond its base")
+        raise PackError(f"{name}: a page beyond its base")
     got = 0
-    tmp = image_dir / (PAGES + ".tmp")
+    tmp = dest / (PAGES + ".tmp")
     with tmp.open("wb") as out:
         for source, start, count in _runs(page_map):
             with (base if source else own_view)[start * PAGE : (start + count) * PAGE] as chunk:
@@ -215,8 +226,8 @@ def _write_unpacked(image_dir: Path, body: bytes, base: memoryview) -> None:
                 out.write(chunk)
     if got != crc:
         tmp.unlink()
-        raise PackError(f"{image_dir / PACK}: pages do not match the image packed (CRC)")
-    tmp.rename(image_dir / PAGES)
+        raise PackError(f"{name}: pages do not match the image packed (CRC)")
+    tmp.rename(dest / PAGES)
 
 
 def _runs(page_map: array[int]) -> list[tuple[bool, int, int]]:
@@ -234,10 +245,3 @@ def _runs(page_map: array[int]) -> list[tuple[bool, int, int]]:
     if count:
         runs.append((source, start, count))
     return runs
-
-
-def drop_unpacked(image_dir: Path) -> None:
-    """Remove the `pages.img` that `unpack` wrote, once restored (the pack stays)."""
-    if (image_dir / PACK).is_file() and (image_dir / BASE).is_file():
-        with contextlib.suppress(FileNotFoundError):
-            (image_dir / PAGES).unlink()

@@ -55,12 +55,14 @@ def test_an_image_packs_to_its_own_pages_and_unpacks_to_itself(tmp_path: Path) -
     assert os.path.samefile(d / "pages.base", base)  # a link, no copy
     assert pagepack.is_packed(d)
     base.unlink()  # its snapshot deleted: the link keeps it
-    assert pagepack.unpack(d)
-    assert (d / "pages.img").read_bytes() == bytes(data)
-    pagepack.drop_unpacked(d)
-    assert pagepack.is_packed(d)
-    assert pagepack.unpack(d)  # (again, for a second restore)
-    assert (d / "pages.img").read_bytes() == bytes(data)
+    for n in range(2):  # (restores of one image: each unpacks into its own directory)
+        pagepack.unpack(d, tmp_path / f"restore{n}")
+        assert (tmp_path / f"restore{n}" / "pages.img").read_bytes() == bytes(data)
+        assert sorted(p.name for p in (tmp_path / f"restore{n}").iterdir()) == [
+            "checkpoint.img",
+            "pages.img",
+        ]
+    assert pagepack.is_packed(d)  # unchanged
 
 
 def test_a_pack_is_made_against_the_first_base_never_a_pack(tmp_path: Path) -> None:
@@ -88,7 +90,6 @@ def test_what_cannot_be_packed_stays_whole(tmp_path: Path, case: str) -> None:
         base.unlink()
     assert pagepack.pack(d, base) is None
     assert not pagepack.is_packed(d)
-    assert not pagepack.unpack(d)
     assert not (d / "pages.base").exists() and not (d / "pages.pack").exists()
 
 
@@ -104,14 +105,14 @@ def test_a_pack_on_the_wrong_base_or_damaged_is_refused(tmp_path: Path) -> None:
     (d / "pages.base").unlink()
     page_file(d / "pages.base", 3)
     with pytest.raises(PackError, match="CRC"):
-        pagepack.unpack(d)
-    assert not (d / "pages.img").exists()
+        pagepack.unpack(d, tmp_path / "restore")
+    assert not (tmp_path / "restore" / "pages.img").exists()
     (d / "pages.base").unlink()
     os.link(base, d / "pages.base")
     for damaged in (b"garbage" + pack, pack[:-10]):
         (d / "pages.pack").write_bytes(damaged)
         with pytest.raises(PackError):
-            pagepack.unpack(d)
+            pagepack.unpack(d, tmp_path / "restore")
     (d / "pages.pack").write_bytes(pack)
-    assert pagepack.unpack(d)
-    assert (d / "pages.img").read_bytes() == bytes(data)
+    pagepack.unpack(d, tmp_path / "restore")
+    assert (tmp_path / "restore" / "pages.img").read_bytes() == bytes(data)
