@@ -212,7 +212,7 @@ class GVisorSandbox:
             done = await trio.to_thread.run_sync(
                 pagepack.pack, image_dir, base, limiter=self._runtime.packs
             )
-        except OSError as e:
+        except Exception as e:  # (pages.img goes only once the pack is whole)
             log.warning("sandbox %s: its memory image stays whole: %r", self.sandbox_id, e)
             return
         if done is not None:
@@ -392,14 +392,20 @@ class GVisorRuntime:
         # a hibernated image stored as its difference from its base: whole
         # again, in a directory of this restore's own (removed once restored)
         unpacked: Path | None = None
-        if image_dir is not None and await trio.to_thread.run_sync(pagepack.is_packed, image_dir):
-            unpacked = spec.workdir / "unpacked-image"
-            await trio.to_thread.run_sync(pagepack.unpack, image_dir, unpacked)
         try:
+            if image_dir is not None and await trio.to_thread.run_sync(
+                pagepack.is_packed, image_dir
+            ):
+                unpacked = spec.workdir / "unpacked-image"
+                try:
+                    await trio.to_thread.run_sync(pagepack.unpack, image_dir, unpacked)
+                except (pagepack.PackError, OSError) as e:
+                    raise GVisorCheckpointError(f"unpacking {image_dir}: {e}") from e
             pid = await self._runsc_start(spec, unpacked or image_dir)
         finally:
             if unpacked is not None:
-                await trio.to_thread.run_sync(shutil.rmtree, unpacked, True)
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(shutil.rmtree, unpacked, True)
         return GVisorSandbox(
             spec=spec, sandbox_pid=pid, _cgroups=cgroups, _runtime=self, restored_from=image_dir
         )
