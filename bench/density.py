@@ -167,18 +167,43 @@ def processes_of(sandbox_id: str) -> list[dict[str, Any]]:
     return found
 
 
-def disk_of(path: Path, depth: int = 2) -> dict[str, int]:
-    """Allocated bytes under `path` by entry, `depth` levels down (`image1/pages.img`)."""
+def disk_of(path: Path, depth: int = 2, seen: set[tuple[int, int]] | None = None) -> dict[str, int]:
+    """Allocated bytes under `path` by entry, `depth` levels down (`image1/pages.img`).
+
+    Mounts are not entered; a file whose inode is in `seen` (hard links:
+    a packed image's `pages.base`, the template's own memory image) is not
+    counted again, and `seen` gets every inode counted.
+    """
     out: dict[str, int] = {}
     if not path.is_dir():
         return out
-    for f in path.rglob("*"):
-        with contextlib.suppress(OSError):
-            st = f.lstat()
-            rel = f.relative_to(path).parts
-            key = "/".join(rel[:depth])
-            out[key] = out.get(key, 0) + st.st_blocks * 512
+    for dirpath, dirnames, filenames in os.walk(path, onerror=lambda e: None):
+        dirnames[:] = [d for d in dirnames if not os.path.ismount(os.path.join(dirpath, d))]
+        for name in filenames:
+            f = Path(dirpath) / name
+            with contextlib.suppress(OSError):
+                st = f.lstat()
+                if seen is not None:
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
+                rel = f.relative_to(path).parts
+                key = "/".join(rel[:depth])
+                out[key] = out.get(key, 0) + st.st_blocks * 512
     return out
+
+
+def on_disk(node: Any, ids: list[str]) -> int:
+    """How many of `ids` the node reports paused and written to disk."""
+    import httpx
+
+    done = 0
+    for sandbox_id in ids:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            d = httpx.get(f"{node.url}/sandboxes/{sandbox_id}",
+                          headers={"X-API-Key": node.api_key}, timeout=10).json()  # fmt: skip
+            done += d["state"] == "paused" and not d["pausedInMemory"]
+    return done
 
 
 def cpu_ticks(pids: list[int]) -> int:
@@ -290,13 +315,18 @@ def measure(node: Any, args: argparse.Namespace, report: dict[str, Any]) -> None
             report["paused_frozen"] = snapshot("paused (frozen)", node_pid, base_avail,
                                                base_tasks, len(sandboxes))  # fmt: skip
             deadline = time.monotonic() + args.hibernate_after + args.hibernate_wait
-            while runsc_alive(ids) and time.monotonic() < deadline:
+            while (runsc_alive(ids) or on_disk(node, ids) < len(ids)) and (
+                time.monotonic() < deadline
+            ):
                 time.sleep(2)
             time.sleep(args.settle)
             report["hibernated_after_s"] = time.perf_counter() - t0
             report["paused_hibernated"] = snapshot("paused (hibernated)", node_pid, base_avail,
                                                    base_tasks, len(sandboxes))  # fmt: skip
-            disks = {i: disk_of(node.home / "sandboxes" / i) for i in ids}
+            # the memory images of snapshots (the template's) are shared, not a sandbox's
+            shared: set[tuple[int, int]] = set()
+            report["snapshots_disk"] = sum(disk_of(node.home / "snapshots", 3, shared).values())
+            disks = {i: disk_of(node.home / "sandboxes" / i, seen=shared) for i in ids}
             report["paused_disk"] = disks
             parts: dict[str, int] = {}
             for d in disks.values():
@@ -369,7 +399,8 @@ def table(report: dict[str, Any]) -> str:
     if "paused_disk_per_sandbox" in report:
         lines.append(
             f"disk per paused sandbox {report['paused_disk_per_sandbox'] / MIB:.1f} MiB"
-            f" (template on disk {report['template_disk'] / MIB:.0f} MiB, shared)"
+            f" (template on disk {report['template_disk'] / MIB:.0f} MiB and its memory image"
+            f" {report.get('snapshots_disk', 0) / MIB:.0f} MiB, shared)"
         )
     if "idle_cpu_per_sandbox" in report:
         lines.append(f"idle CPU per sandbox {report['idle_cpu_per_sandbox'] * 100:.2f} % of a core")

@@ -11,7 +11,7 @@ envd (root, without CAP_SYS_RESOURCE inside the sandbox) could never raise
 it again, and gVisor enforces it for root too.
 
 So envd forks one helper at its start, before it imports anything large
-(`aenv.envd.spawnd`, stdlib only: a fork of the full envd cost ≈ 19 MiB of
+(`aenv.envd.spawnd`, built-in modules only: a fork of the full envd cost ≈ 19 MiB of
 host memory per sandbox, its heap copied page by page as envd touched it),
 captured in every memory snapshot with envd, that holds the limit as its own, hard and soft; a process it
 starts inherits it without any code between fork and exec. envd sends it
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
+import marshal
 import os
 import signal
 import socket
@@ -117,7 +117,7 @@ class SpawnerClient:
                     data = b""
                 if not data:
                     break
-                msg = json.loads(data)
+                msg = marshal.loads(data)
                 if "exit" in msg:
                     child = self._children.pop(msg["exit"], None)
                     if child is not None:
@@ -148,7 +148,7 @@ class SpawnerClient:
             try:
                 try:
                     await self._sock.sendmsg(
-                        [json.dumps(req).encode()],
+                        [marshal.dumps(req)],
                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(fds))],
                     )
                 finally:
@@ -180,13 +180,14 @@ class SpawnerClient:
         if not self.alive or self._retired:
             raise Unavailable("spawner unavailable")
         req = {
-            "argv": argv,
-            "env": env,
-            "cwd": cwd,
-            "uid": uid,
-            "gid": gid,
-            "groups": groups,
-            "limit": limit,
+            # (exact built-in types: what marshal carries)
+            "argv": [str(a) for a in argv],
+            "env": {str(k): str(v) for k, v in env.items()},
+            "cwd": str(cwd),
+            "uid": int(uid),
+            "gid": int(gid),
+            "groups": [int(g) for g in groups],
+            "limit": int(limit),
         }
         ours: list[int] = []
         theirs: list[int] = []

@@ -595,6 +595,8 @@ class SandboxActor:
                 task_status.started(self)
             else:
                 self.lifecycle.step(lc.Resumed(trio.current_time()))
+                # (its image stays, but its next pause is in memory until written)
+                self.on_disk = False
                 await self._journal("running")
                 phases.mark("journal")
                 self._log(f"resumed in {phases}")
@@ -764,7 +766,10 @@ class SandboxActor:
         what = "hibernate" if self._hibernating else "pause"
         crash_point(f"{what}.captured")
         assert self._runtime_stack is not None
+        running = self._running
         await self._runtime_stack.aclose()
+        if image is not None:  # (on disk for a while: its difference from its base)
+            await running.compact_image(image)
         upper = await self.node.host.roots.unmount(disk)
         if behind is not None:  # its files too (the upper goes with the disk)
             self.stack = behind[1]

@@ -97,6 +97,13 @@ class RunningSandbox(Protocol):
         """
         ...
 
+    async def compact_image(self, image_dir: Path) -> None:
+        """Store `image_dir`, a memory image this sandbox wrote and will not
+        run from again (it is no longer running), in less space where the
+        runtime can (a hibernated image); it restores as before. Never raises
+        for an image it leaves as it is."""
+        ...
+
     async def freeze(self) -> None:
         """Stop every process of the sandbox (no CPU used, memory kept)."""
         ...

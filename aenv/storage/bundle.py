@@ -36,12 +36,13 @@ __all__ = [
     "build_bundle",
     "envd_command",
     "interp_server_path",
+    "python_command",
 ]
 
 BUNDLE_MOUNT = "/opt/aenv"
 
 # Bump when the layout or the selection logic changes: forces a rebuild.
-_FORMAT = 1
+_FORMAT = 2
 
 # Root distributions envd imports; their requirements are followed.
 DEFAULT_DISTRIBUTIONS: tuple[str, ...] = ("trio", "hypercorn", "h2", "wsproto", "h11")
@@ -82,15 +83,17 @@ Progress = Callable[[str], None]
 
 # Where the bundled packages live, relative to the bundle root.
 _SITE_DIR = "lib/aenv-site"
+# envd's entry point, as `python -c` runs it (aenv.envd.__main__).
+ENVD_MAIN = "from aenv.envd.__main__ import main; main()"
 
 
-def envd_command(port: int = 49983) -> tuple[tuple[str, ...], dict[str, str]]:
-    """Return (argv, env) starting envd from the bundle mounted at BUNDLE_MOUNT.
+def python_command() -> tuple[tuple[str, ...], dict[str, str]]:
+    """Return (argv, env) starting the bundle's Python (without site) from BUNDLE_MOUNT.
 
     The interpreter is started through the bundled ELF loader with the
-    bundle's library directory, so it never touches the guest's libc. `env`
-    is the complete environment of envd; envd should not hand the PYTHON*
-    variables on to the user's processes.
+    bundle's library directory, so it never touches the guest's libc;
+    append its own arguments (`-c CODE`, a script) to `argv`. `env` is
+    the interpreter's complete environment.
     """
     root = BUNDLE_MOUNT
     argv = (
@@ -99,14 +102,6 @@ def envd_command(port: int = 49983) -> tuple[tuple[str, ...], dict[str, str]]:
         f"{root}/lib",
         f"{root}/bin/python3",
         "-S",
-        "-m",
-        "aenv.envd",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(port),
-        # pid 1 of a sandbox: guard its memory and processes (aenv.envd.guard)
-        "--guard",
     )
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -118,6 +113,34 @@ def envd_command(port: int = 49983) -> tuple[tuple[str, ...], dict[str, str]]:
         "PYTHONUTF8": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    return argv, env
+
+
+def envd_command(port: int = 49983) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Return (argv, env) starting envd from the bundle mounted at BUNDLE_MOUNT.
+
+    `python_command` with envd's entry point. `env` is the complete
+    environment of envd; envd should not hand the PYTHON* variables on to
+    the user's processes.
+    """
+    python, env = python_command()
+    argv = (
+        *python,
+        # No script directory on sys.path, no docstrings or asserts (the
+        # bundle holds their .opt-2.pyc: ≈ 1.4 MiB less heap), and no `-m`:
+        # runpy would be imported before the spawner is forked, so held
+        # twice (aenv.envd.spawnd).
+        "-P",
+        "-OO",
+        "-c",
+        ENVD_MAIN,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        # pid 1 of a sandbox: guard its memory and processes (aenv.envd.guard)
+        "--guard",
+    )
     return argv, env
 
 
@@ -372,6 +395,11 @@ def _compile(python: Path, dirs: Sequence[Path]) -> None:
             "-j0",
             "--invalidation-mode",
             "unchecked-hash",
+            # plain for the interpreter's other users, -OO for envd (envd_command)
+            "-o",
+            "0",
+            "-o",
+            "2",
             *map(str, dirs),
         ],
         check=True,

@@ -207,3 +207,50 @@ def test_resume_from_disk_after_what_the_user_did(
     answers(again)
     assert running.pid in {p.pid for p in again.commands.list()}
     assert again.commands.kill(running.pid)
+
+
+def test_a_hibernated_sandbox_is_stored_as_its_difference_from_its_template(
+    node_home: Restartable,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """Restored from its template's memory image, hibernated, it keeps on disk
+    only the pages it changed (aenv.runtimes.pagepack); resumed from that
+    twice, it is where it was."""
+    r = node_home
+    r.env.update({"AENV_HIBERNATE_AFTER": "1"})
+    r.start()
+    Sandbox.create("base", timeout=60).kill()  # (booted: the template's snapshot is taken)
+    deadline = time.monotonic() + 120
+    assert r.node is not None
+    while "is now a snapshot" not in r.node.log_tail(400):
+        assert time.monotonic() < deadline, "no memory image of the template"
+        time.sleep(0.5)
+    s = Sandbox.create("base", timeout=300)
+    sid = s.sandbox_id
+    s.commands.run(COUNTER, background=True)
+    # state held only in a process's memory
+    held = s.commands.run(
+        "python3 -c 'import sys; x = sys.stdin.readline(); print(x, flush=True); sys.stdin.read()'",
+        background=True,
+        stdin=True,
+    )
+    s.commands.send_stdin(held.pid, "kept in memory\n")
+    for _ in range(2):
+        s.pause()
+        # in memory (frozen) first, also after a resume from disk
+        assert r.get(f"/sandboxes/{sid}").json()["pausedInMemory"] is True
+        deadline = time.monotonic() + 30
+        while True:
+            d = r.get(f"/sandboxes/{sid}").json()
+            if d["state"] == "paused" and not d["pausedInMemory"]:
+                break
+            assert time.monotonic() < deadline, f"not written to disk: {d}"
+            time.sleep(0.2)
+        images = [p for p in (r.home / "sandboxes" / sid).glob("image*") if p.is_dir()]
+        assert len(images) == 1, images
+        files = {p.name: p.stat().st_size for p in images[0].iterdir()}
+        assert "pages.img" not in files and files["pages.pack"] < files["pages.base"] / 4, files
+        s = Sandbox.connect(sid)
+        counts_on(s)
+        assert held.pid in {p.pid for p in s.commands.list()}
+    s.commands.send_stdin(held.pid, "")
+    s.kill()

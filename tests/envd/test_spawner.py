@@ -14,11 +14,15 @@ import contextlib
 import errno
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import trio
 
+import aenv
 from aenv.envd.process import ProcessService
 from aenv.envd.spawner import SpawnedProcess, SpawnerClient, Unavailable, fork_spawner
 from aenv.envd.state import EnvdState
@@ -160,3 +164,54 @@ async def test_a_higher_limit_gets_a_spawner_of_its_own(spawner: SpawnerClient) 
         os.kill(fresh[0], signal.SIGKILL)
         await trio.to_thread.run_sync(os.waitpid, fresh[0], 0)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_user_gets_its_own_credentials_and_path_lookup(spawner: SpawnerClient) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to change credentials")
+    proc = await spawner.spawn(
+        ["sh", "-c", "id -u; id -g; id -G"],  # found on the request's PATH
+        env={"PATH": PATH},
+        cwd="/",
+        uid=1000,
+        gid=1000,
+        groups=[1000, 27],
+        limit=LIMIT,
+        stdin_enabled=False,
+    )
+    assert (await read_all(proc.stdout)).decode().split() == ["1000", "1000", "1000", "27"]
+    assert await proc.wait() == 0
+
+
+async def test_a_missing_directory_is_the_spawns_error(spawner: SpawnerClient) -> None:
+    with pytest.raises(OSError) as caught:
+        await spawn(spawner, "true", cwd="/nonexistent/dir")
+    assert caught.value.errno == errno.ENOENT
+    with pytest.raises(OSError) as caught:
+        await spawner.spawn(
+            ["no-such-command-here"],
+            env={"PATH": PATH},
+            cwd="/",
+            uid=os.getuid(),
+            gid=os.getgid(),
+            groups=[],
+            limit=LIMIT,
+            stdin_enabled=False,
+        )
+    assert caught.value.errno == errno.ENOENT
+
+
+def test_the_spawner_imports_only_built_in_modules() -> None:
+    # what it imports before the fork it holds privately in every sandbox
+    code = "import sys; s = set(sys.modules); import aenv.envd.spawnd; print(*set(sys.modules) - s)"
+    env = {**os.environ, "PYTHONPATH": str(Path(aenv.__file__).parent.parent)}
+    out = subprocess.run(
+        [sys.executable, "-S", "-P", "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert "aenv.envd.spawnd" in out
+    heavy = {"json", "subprocess", "socket", "typing", "re", "enum", "signal", "threading"}
+    assert not heavy & set(out), heavy & set(out)

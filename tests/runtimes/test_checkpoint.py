@@ -27,7 +27,7 @@ import trio
 
 from aenv.runtimes.base import CheckpointError, SandboxSpec
 from aenv.runtimes.gvisor import CGROUP_ROOT, GVisorRuntime, GVisorSandbox
-from aenv.storage.bundle import envd_command
+from aenv.storage.bundle import envd_command, python_command
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.overlay import open_writable_root, unmount_root
 from tests.runtimes.nets import Net
@@ -86,7 +86,7 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
 
 
 def make_spec(tmp_path: Path, name: str, *, rootfs: Path, bundle: Path, net: Net) -> SandboxSpec:
-    argv, env = envd_command()
+    env = envd_command()[1]
     sandbox_id = f"t{name}{secrets.token_hex(3)}"
     return SandboxSpec(
         sandbox_id=sandbox_id,
@@ -98,7 +98,7 @@ def make_spec(tmp_path: Path, name: str, *, rootfs: Path, bundle: Path, net: Net
         hostname=f"sbx-{name}",
         workdir=tmp_path / f"driver-{name}",
         log_path=tmp_path / f"console-{name}.log",
-        init_argv=(*argv[: argv.index("-m")], "-c", textwrap.dedent(GUEST)),
+        init_argv=(*python_command()[0], "-c", textwrap.dedent(GUEST)),
         init_env=env,
     )
 
@@ -371,4 +371,42 @@ async def test_bad_images_fail_cleanly(
             with pytest.raises(CheckpointError, match="not empty"):
                 await sandbox.checkpoint(garbage, leave_running=False)
             await counter_after(net, 3)
+    assert leftovers(rt, tmp_path) == []
+
+
+async def test_an_image_packed_against_the_one_it_came_from_restores(
+    tmp_path: Path, bundle: Path, busybox_lower: Path, make_netns: Callable[[], Net]
+) -> None:
+    """A restored sandbox's next image, packed against the image it was
+    restored from (a hibernation), restores to where it was; a damaged pack
+    fails the restore as a bad image does, and leaves nothing behind."""
+    rt = runtime(tmp_path)
+    net_a, net_b, net_c, net_d = make_netns(), make_netns(), make_netns(), make_netns()
+    async with checkpointed_source(tmp_path, rt, bundle, busybox_lower, net_a) as src:
+        packed = tmp_path / "packed"
+        async with open_writable_root(src.stack.lowers(), tmp_path / "child") as root:
+            spec = make_spec(tmp_path, "child", rootfs=root, bundle=bundle, net=net_b)
+            async with rt.open_restored(spec, src.image) as child:
+                assert isinstance(child, GVisorSandbox) and child.restored_from == src.image
+                before = await counter_after(net_b, src.state["n"] + 3)
+                await child.checkpoint(packed, leave_running=False)
+                await child.compact_image(packed)
+        names = sorted(p.name for p in packed.iterdir())
+        assert "pages.img" not in names and {"pages.pack", "pages.base"} <= set(names)
+        assert (packed / "pages.pack").stat().st_size < (packed / "pages.base").stat().st_size / 4
+        async with open_writable_root(src.stack.lowers(), tmp_path / "fork") as root:
+            spec = make_spec(tmp_path, "fork", rootfs=root, bundle=bundle, net=net_c)
+            async with rt.open_restored(spec, packed):
+                _, state = await get(net_c, within=10)
+                assert state["token"] == src.state["token"]
+                assert state["n"] >= before["n"]  # counting on from the packed image
+                assert not (tmp_path / "driver-fork" / "unpacked-image").exists()
+        pack = packed / "pages.pack"
+        pack.write_bytes(pack.read_bytes()[:-100])
+        async with open_writable_root(src.stack.lowers(), tmp_path / "bad") as root:
+            spec = make_spec(tmp_path, "bad", rootfs=root, bundle=bundle, net=net_d)
+            with pytest.raises(CheckpointError, match="unpacking"):
+                async with rt.open_restored(spec, packed):
+                    pytest.fail("restored a damaged pack")
+            assert not (tmp_path / "driver-bad" / "unpacked-image").exists()
     assert leftovers(rt, tmp_path) == []

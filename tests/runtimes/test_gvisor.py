@@ -26,7 +26,7 @@ import trio
 from aenv.runtimes import gvisor
 from aenv.runtimes.base import SandboxSpec
 from aenv.runtimes.gvisor import CGROUP_ROOT, GVisorRuntime, oci_config
-from aenv.storage.bundle import BUNDLE_MOUNT, envd_command
+from aenv.storage.bundle import BUNDLE_MOUNT, envd_command, python_command
 from aenv.storage.overlay import open_writable_root, reap_stale_mounts
 
 pytestmark = pytest.mark.runsc
@@ -36,8 +36,8 @@ CGROUP_PARENT = "aenvtest"
 
 def python_argv(code: str) -> tuple[tuple[str, ...], dict[str, str]]:
     """argv/env running `code` with the bundle's Python, like envd_command does."""
-    argv, env = envd_command()
-    return (*argv[: argv.index("-m")], "-c", textwrap.dedent(code)), env
+    env = envd_command()[1]
+    return (*python_command()[0], "-c", textwrap.dedent(code)), env
 
 
 def make_spec(

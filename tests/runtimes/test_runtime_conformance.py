@@ -29,7 +29,7 @@ import trio
 import trio.testing
 
 from aenv.runtimes.base import CheckpointError, RunningSandbox, Runtime, SandboxGone, SandboxSpec
-from aenv.storage.bundle import envd_command
+from aenv.storage.bundle import envd_command, python_command
 from tests.fakes.runtime import FakeRuntime, FakeSandbox, Guest
 from tests.runtimes.nets import Net
 
@@ -115,13 +115,13 @@ class GVisorDriver:
         return open_writable_root([self.lower], self.tmp_path / name)
 
     def spec(self, name: str, rootfs: Path, *, exits_with: int | None = None) -> SandboxSpec:
-        argv, env = envd_command()
+        env = envd_command()[1]
         code = (
             SERVE
             if exits_with is None
             else f"import sys, time; time.sleep(1); sys.exit({exits_with})"
         )
-        init = (*argv[: argv.index("-m")], "-c", textwrap.dedent(code))
+        init = (*python_command()[0], "-c", textwrap.dedent(code))
         net = self.nets.setdefault(name, self.make_netns())
         spec = _spec(self.tmp_path, name, rootfs, net.path, init, env, bundle=self.bundle)
         self.nets[spec.sandbox_id] = net

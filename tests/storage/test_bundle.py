@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 
 import aenv
-from aenv.storage.bundle import BUNDLE_MOUNT, LOADER_NAME, build_bundle, envd_command
+from aenv.storage.bundle import (
+    BUNDLE_MOUNT,
+    ENVD_MAIN,
+    LOADER_NAME,
+    build_bundle,
+    envd_command,
+    python_command,
+)
 
 
 def test_envd_command_starts_envd_through_the_bundled_loader() -> None:
@@ -27,7 +34,9 @@ def test_envd_command_starts_envd_through_the_bundled_loader() -> None:
     assert argv[0] == f"{BUNDLE_MOUNT}/lib/{LOADER_NAME}"
     assert argv[1:3] == ("--library-path", f"{BUNDLE_MOUNT}/lib")
     assert argv[3] == f"{BUNDLE_MOUNT}/bin/python3"
-    assert argv[-7:] == ("-m", "aenv.envd", "--host", "0.0.0.0", "--port", "1234", "--guard")
+    assert argv[4:10] == ("-S", "-P", "-OO", "-c", ENVD_MAIN, "--host")
+    assert argv[-5:] == ("--host", "0.0.0.0", "--port", "1234", "--guard")
+    assert argv[:5] == python_command()[0]
     assert env["PYTHONHOME"] == BUNDLE_MOUNT
     assert env["PYTHONDONTWRITEBYTECODE"] == "1"
     assert env["PYTHONNOUSERSITE"] == "1"
@@ -114,7 +123,7 @@ def guest_root(tmp_path: Path, bundle: Path, busybox_lower: Path) -> Iterator[Pa
 @pytest.mark.runsc
 def test_bundle_runs_in_a_root_without_libc(guest_root: Path) -> None:
     assert not list(guest_root.glob("lib*/**/libc.so*"))
-    argv, env = envd_command()
+    env = envd_command()[1]
     code = textwrap.dedent(
         """
         import sys, ssl, json, hashlib, zlib, ctypes, decimal, lzma, bz2, uuid
@@ -128,7 +137,7 @@ def test_bundle_runs_in_a_root_without_libc(guest_root: Path) -> None:
         """
     )
     out = subprocess.run(
-        ["chroot", str(guest_root), *argv[: argv.index("-m")], "-c", code],
+        ["chroot", str(guest_root), *python_command()[0], "-c", code],
         env=env,
         check=True,
         capture_output=True,
