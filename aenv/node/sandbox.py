@@ -1270,7 +1270,8 @@ class SandboxActor:
                     req.reply(PausedCopy(copy, self.stack, self.paused_record()))
                 case PoolFreeze():
                     if self.pooled and self._running is not None and not self._frozen:
-                        await self._running.freeze()
+                        # thawed before anything else: adopted, or killed
+                        await self._running.freeze(may_checkpoint=False)
                         self._frozen = True
                     req.reply(None)
                 case Adopt(new):
