@@ -987,20 +987,24 @@ class SandboxActor:
             doc["durableImage"] = self._behind[0].name
             doc["durableLayers"] = list(self._behind[1].ids())
         meta = self.node.meta
+        # a running record over none or a running one: a host crash, which would
+        # lose it, leaves no running sandbox to take back anyway (no sync to disk)
+        sync = not (state == "running" and self._journaled in (None, "running"))
         try:
             with trio.CancelScope(shield=True):
-                await meta.put_sandbox(self.sandbox_id, state, doc, time.time())
+                await meta.put_sandbox(self.sandbox_id, state, doc, time.time(), sync=sync)
             self._journaled = state
         except Exception:
             log.exception("journaling sandbox %s (%s) failed", self.sandbox_id, state)
 
     async def _forget_record(self) -> None:
         self.on_disk = False
-        self._journaled = None
+        # (a running record that a host crash brings back finds no runtime: it goes then)
+        sync, self._journaled = self._journaled not in (None, "running"), None
         meta = self.node.meta
         with trio.CancelScope(shield=True):
             try:
-                await meta.delete_sandbox(self.sandbox_id)
+                await meta.delete_sandbox(self.sandbox_id, sync=sync)
             except Exception:
                 log.exception("removing the record of sandbox %s failed", self.sandbox_id)
 
@@ -1281,7 +1285,8 @@ class SandboxActor:
                     req.reply(PausedCopy(copy, self.stack, self.paused_record()))
                 case PoolFreeze():
                     if self.pooled and self._running is not None and not self._frozen:
-                        await self._running.freeze()
+                        # thawed before anything else: adopted, or killed
+                        await self._running.freeze(may_checkpoint=False)
                         self._frozen = True
                     req.reply(None)
                 case Adopt(new):

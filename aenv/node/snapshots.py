@@ -18,16 +18,24 @@ hears of deletions; both are set by the durable-storage actor
 `record_capture` is the workflow after a running sandbox's live capture
 (`aenv.node.sandbox.LiveCapture`): record it, hand it to the uploads, and
 remove the capture's image (the snapshot holds hard links to its files).
+
+`resolve` answers from memory once a name or ID was looked up (hits and
+misses alike: a create of a template first asks whether its name is a
+snapshot), until the next write of any record: every write goes through this
+class. A pool hit then does no SQLite read, so creates in a burst do not
+queue behind the journal's writes on the store's one worker thread.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +44,9 @@ import trio
 from aenv.kit.faults import crash_point
 from aenv.storage.metadata import Metadata
 from aenv.storage.templates import Template
+
+# names and IDs whose lookup `Snapshots.resolve` remembers (emptied when full)
+RESOLVED_MAX = 4096
 
 SNAPSHOT_PREFIX = "snap-"
 _ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -141,6 +152,9 @@ class Snapshots:
         self.meta = meta
         self.storage_for: Callable[[dict[str, Any]], str] = _local_only
         self.on_delete: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+        # `resolve`'s answers, valid while `_writes` has not moved (see `_writing`)
+        self._resolved: dict[str, dict[str, Any] | None] = {}
+        self._writes = 0
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-*"):  # a crash mid-record left these
             shutil.rmtree(stale, ignore_errors=True)
@@ -170,7 +184,8 @@ class Snapshots:
             "checksums": sums,
         }
         doc["storage"] = self.storage_for(doc)
-        await self.meta.run(self.meta.store.put_snapshot, snap_id, doc.get("name"), now, doc)
+        async with self._writing():
+            await self.meta.run(self.meta.store.put_snapshot, snap_id, doc.get("name"), now, doc)
         return doc
 
     async def adopt(self, *, doc: dict[str, Any], staged: Path | None) -> dict[str, Any]:
@@ -196,9 +211,10 @@ class Snapshots:
 
         await trio.to_thread.run_sync(place)
         doc = {**doc, "image": str(final / "image") if staged is not None else None}
-        await self.meta.run(
-            self.meta.store.put_snapshot, snap_id, doc.get("name"), float(doc["createdAt"]), doc
-        )
+        async with self._writing():
+            await self.meta.run(
+                self.meta.store.put_snapshot, snap_id, doc.get("name"), float(doc["createdAt"]), doc
+            )
         return doc
 
     async def update(self, snap_id: str, **fields: Any) -> dict[str, Any] | None:
@@ -213,7 +229,8 @@ class Snapshots:
             store.put_snapshot(snap_id, doc.get("name"), float(doc["createdAt"]), doc)
             return doc
 
-        return await self.meta.run(run)
+        async with self._writing():
+            return await self.meta.run(run)
 
     def local_gaps(self, doc: dict[str, Any], layers_dir: Path) -> list[str]:
         """What of `doc` is missing on disk (layers, image files); [] if whole (blocking)."""
@@ -232,10 +249,31 @@ class Snapshots:
         return gaps
 
     async def resolve(self, name_or_id: str) -> dict[str, Any] | None:
+        """The snapshot with this ID, else the newest of this name; None if neither."""
+        if name_or_id in self._resolved:
+            await trio.lowlevel.checkpoint()
+            return copy.deepcopy(self._resolved[name_or_id])
+        writes = self._writes
         doc = await self.meta.run(self.meta.store.get_snapshot, name_or_id)
         if doc is None:
             doc = await self.meta.run(self.meta.store.latest_snapshot_named, name_or_id)
+        if writes == self._writes:  # no write began or ended meanwhile
+            if len(self._resolved) >= RESOLVED_MAX:
+                self._resolved.clear()
+            self._resolved[name_or_id] = copy.deepcopy(doc)
         return doc
+
+    @asynccontextmanager
+    async def _writing(self) -> AsyncIterator[None]:
+        """Around a write of a record: what `resolve` remembers is forgotten, and
+        a lookup that overlaps the write is not remembered."""
+        self._writes += 1
+        self._resolved.clear()
+        try:
+            yield
+        finally:
+            self._writes += 1
+            self._resolved.clear()
 
     async def verified_image(self, doc: dict[str, Any]) -> Path | None:
         if doc.get("image") is None:
@@ -267,7 +305,8 @@ class Snapshots:
     async def delete(self, snap_id: str, *, local_only: bool = False) -> None:
         """Delete a snapshot here and (unless `local_only`) from the object store."""
         doc = await self.meta.run(self.meta.store.get_snapshot, snap_id)
-        await self.meta.run(self.meta.store.delete_snapshot, snap_id)
+        async with self._writing():
+            await self.meta.run(self.meta.store.delete_snapshot, snap_id)
         await trio.to_thread.run_sync(shutil.rmtree, self.root / snap_id, True)
         if doc is not None and self.on_delete is not None and not local_only:
             await self.on_delete(doc)

@@ -104,8 +104,13 @@ class RunningSandbox(Protocol):
         for an image it leaves as it is."""
         ...
 
-    async def freeze(self) -> None:
-        """Stop every process of the sandbox (no CPU used, memory kept)."""
+    async def freeze(self, *, may_checkpoint: bool = True) -> None:
+        """Stop every process of the sandbox (no CPU used, memory kept).
+
+        `may_checkpoint=False`: nothing checkpoints it before `thaw` (a pool
+        member, thawed when adopted or killed), so the runtime may stop it in a
+        way a checkpoint must not follow directly.
+        """
         ...
 
     async def checkpoint_frozen(self, image_dir: Path) -> None:

@@ -16,7 +16,7 @@ state lives under `state_root`, shared by all sandboxes of the node, so
 Memory snapshots: `GVisorSandbox.checkpoint` runs `runsc checkpoint` (in the
 same private mount namespace, which `--leave-running` needs as it restarts
 the container), `freeze`/`thaw` are the cgroup v2 freezer (`runsc
-pause`/`resume` on cgroup v1 hosts), and
+pause`/`resume` on cgroup v1 hosts, whose freezer only pool members use), and
 `GVisorRuntime.open_restored` starts a sandbox with `runsc restore --detach`
 from a bundle written for the new spec: the restored kernel takes the new
 netns' interfaces and reopens its files by path under the new root, which
@@ -229,15 +229,20 @@ class GVisorSandbox:
                 done.written / (1 << 20), 1000 * (time.perf_counter() - t0),
             )  # fmt: skip
 
-    async def freeze(self) -> None:
+    async def freeze(self, *, may_checkpoint: bool = True) -> None:
         """Stop every process of the sandbox; memory stays.
 
         The cgroup v2 freezer (one write, no process to start) where the
-        sandbox has its own cgroup, else `runsc pause`.
+        sandbox has its own cgroup, else `runsc pause`. With `may_checkpoint`
+        False (it is thawed before anything else is done with it: a pool
+        member) the cgroup v1 freezer too: a paused sandbox that is copied to
+        disk while frozen stops with `runsc pause` on v1 hosts (see
+        `_Cgroups.set_frozen`).
         """
         if self._runsc_paused:
             return
-        if not await trio.to_thread.run_sync(self._cgroups.set_frozen, True):
+        v1_ok = not may_checkpoint or _Cgroups.is_v2()
+        if not v1_ok or not await trio.to_thread.run_sync(self._cgroups.set_frozen, True):
             await self._runtime._runsc_logged(
                 _PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id, private_netfs=False
             )
@@ -648,7 +653,11 @@ class GVisorRuntime:
         """
         with trio.CancelScope(shield=True, deadline=trio.current_time() + _TEARDOWN_DEADLINE):
             pidfds = await trio.to_thread.run_sync(self._state_pidfds, sandbox_id)
+            cgroups = _Cgroups(f"/{self.cgroup_parent}/{sandbox_id}")
             try:
+                # a frozen task acts on SIGKILL only once thawed
+                if await trio.to_thread.run_sync(cgroups.is_frozen):
+                    await trio.to_thread.run_sync(cgroups.set_frozen, False)
                 for fd in pidfds:
                     with contextlib.suppress(ProcessLookupError):
                         signal.pidfd_send_signal(fd, signal.SIGKILL)
@@ -656,7 +665,7 @@ class GVisorRuntime:
             finally:
                 for fd in pidfds:
                     os.close(fd)
-            await self._stop(sandbox_id, _Cgroups(f"/{self.cgroup_parent}/{sandbox_id}"))
+            await self._stop(sandbox_id, cgroups)
 
     def release_parent(self) -> bool:
         """Remove the node's cgroup parent (`/<cgroup_parent>` in each hierarchy)
@@ -803,19 +812,25 @@ class _Cgroups:
     def set_frozen(self, frozen: bool) -> bool:
         """Freeze or thaw the cgroup; False if that is not possible here.
 
-        The v2 freezer (`cgroup.freeze`): one write, no process to start
-        (`runsc pause`/`resume` cost a Go process each, 100+ ms on a busy host). Waits for the kernel to report the new
+        The v2 freezer (`cgroup.freeze`) or the v1 one (`freezer.state`): one
+        write, no process to start (`runsc pause`/`resume` cost a Go process
+        each, 100+ ms on a busy host). Waits for the kernel to report the new
         state, so the processes really are stopped on return.
+
+        The v1 freezer is used only for sandboxes thawed before anything else
+        is done with them (pool members, `GVisorSandbox.freeze`): once, in CI
+        under load, a sandbox paused by it under the ptrace platform, copied to
+        disk (thawed, `runsc pause`, checkpoint) and hibernated did not answer
+        after its restore; not reproduced since (docs/performance.md).
         """
-        if not self.is_v2():
-            # The v1 freezer (`freezer.state`) was tried: a sandbox frozen by it
-            # under the ptrace platform, copied to disk and hibernated once failed
-            # to answer after its restore (CI, under load; not reproduced). Until
-            # that is understood, v1 hosts pause with `runsc pause`.
-            return False
-        d = CGROUP_ROOT / self.path
-        control, value, events = "cgroup.freeze", "1" if frozen else "0", "cgroup.events"
-        want = f"frozen {1 if frozen else 0}"
+        if self.is_v2():
+            d = CGROUP_ROOT / self.path
+            control, value, events = "cgroup.freeze", "1" if frozen else "0", "cgroup.events"
+            want = f"frozen {1 if frozen else 0}"
+        else:
+            d = CGROUP_ROOT / "freezer" / self.path
+            control, value = "freezer.state", "FROZEN" if frozen else "THAWED"
+            events, want = "freezer.state", value
         try:
             (d / control).write_text(value)
         except OSError:

@@ -5,13 +5,17 @@ must outlive the process, i.e. paused ones, and snapshots), with indexed
 columns for what is looked up (a snapshot's name, template and source
 sandbox), so no lookup reads every record. Every write is
 one transaction in WAL mode with `synchronous=FULL`, so a crash leaves either
-the old or the new record, never half of one. SQLite calls block, so the
+the old or the new record, never half of one. Sandbox records the caller
+marks `sync=False` (a running sandbox's, which no host crash could leave
+anything to take back from) are committed with `synchronous=NORMAL`: in the
+WAL, so a crash of the node process keeps them, without waiting for the disk. SQLite calls block, so the
 async `Metadata` wrapper runs them in a worker thread, one at a time, and
 commits the sandbox records of concurrent callers in one transaction.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import threading
@@ -115,26 +119,36 @@ class MetadataStore:
             (sandbox_id, state, now, json.dumps(doc, sort_keys=True)),
         )
 
-    def write_sandboxes(self, records: list[SandboxWrite]) -> None:
-        """Each of `records` in order, in one transaction (one sync to disk for all):
+    def write_sandboxes(self, records: list[SandboxWrite], *, sync: bool = True) -> None:
+        """Each of `records` in order, in one transaction (one sync to disk for all;
+        none without `sync`: then a host crash may lose it, a process crash not):
         (id, state, doc, now) is a `put_sandbox`, (id, None, None, 0) a `delete_sandbox`."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if not sync:
+                self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                for sandbox_id, state, doc, now in records:
-                    if state is None:
-                        self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
-                        continue
-                    self._db.execute(
-                        "INSERT INTO sandboxes(id, state, updated_at, doc) VALUES (?, ?, ?, ?) "
-                        "ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
-                        "updated_at=excluded.updated_at, doc=excluded.doc",
-                        (sandbox_id, state, now, json.dumps(doc, sort_keys=True)),
-                    )
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._write_sandboxes(records)
+            finally:
+                if not sync:
+                    self._db.execute("PRAGMA synchronous=FULL")
+
+    def _write_sandboxes(self, records: list[SandboxWrite]) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for sandbox_id, state, doc, now in records:
+                if state is None:
+                    self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+                    continue
+                self._db.execute(
+                    "INSERT INTO sandboxes(id, state, updated_at, doc) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
+                    "updated_at=excluded.updated_at, doc=excluded.doc",
+                    (sandbox_id, state, now, json.dumps(doc, sort_keys=True)),
+                )
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def get_sandbox(self, sandbox_id: str) -> Doc | None:
         rows = self._rows("SELECT doc FROM sandboxes WHERE id = ?", (sandbox_id,))
@@ -235,6 +249,7 @@ class MetadataStore:
 @dataclass
 class _Put:
     record: SandboxWrite
+    sync: bool = True
     done: bool = False
     error: Exception | None = None
 
@@ -251,24 +266,33 @@ class Metadata:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    async def put_sandbox(self, sandbox_id: str, state: str, doc: Doc, now: float) -> None:
+    async def put_sandbox(
+        self, sandbox_id: str, state: str, doc: Doc, now: float, *, sync: bool = True
+    ) -> None:
         """`MetadataStore.put_sandbox`, committed when this returns; the records of
         concurrent callers are committed together (group commit: 20 creates at once
-        wait for one sync to disk, not for 20 in a row)."""
-        await self._write_sandbox((sandbox_id, state, doc, now))
+        wait for one sync to disk, not for 20 in a row). `sync=False`: the record
+        need not survive a host crash (`MetadataStore.write_sandboxes`); a batch
+        is synced if any of its records asks."""
+        await self._write_sandbox((sandbox_id, state, doc, now), sync)
 
-    async def delete_sandbox(self, sandbox_id: str) -> None:
+    async def delete_sandbox(self, sandbox_id: str, *, sync: bool = True) -> None:
         """`MetadataStore.delete_sandbox`, committed with concurrent writes (`put_sandbox`)."""
-        await self._write_sandbox((sandbox_id, None, None, 0.0))
+        await self._write_sandbox((sandbox_id, None, None, 0.0), sync)
 
-    async def _write_sandbox(self, record: SandboxWrite) -> None:
-        put = _Put(record)
+    async def _write_sandbox(self, record: SandboxWrite, sync: bool) -> None:
+        put = _Put(record, sync)
         self._puts.append(put)
         async with self._put_lock:
             if not put.done:  # the first waiter writes what every waiter queued
                 batch, self._puts = self._puts, []
+                records = [p.record for p in batch]
                 try:
-                    await self.run(self.store.write_sandboxes, [p.record for p in batch])
+                    await self.run(
+                        functools.partial(
+                            self.store.write_sandboxes, records, sync=any(p.sync for p in batch)
+                        )
+                    )
                 except Exception as exc:
                     for p in batch:
                         p.error = exc

@@ -11,7 +11,9 @@ within seconds, after what the user did before the pause
 
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +22,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 from tests.conftest import NodeProc, requires_node
 from tests.e2e.counter import COUNTER, count, counts_on
 from tests.e2e.sequences import KEPT, SEQUENCES, answers
-from tests.e2e.test_restart import Restartable, node_home  # noqa: F401 (fixture)
+from tests.e2e.test_restart import PREFIX, Restartable, node_home  # noqa: F401 (fixture)
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -189,7 +191,47 @@ def test_resume_from_disk_after_what_the_user_did(
     r = node_home
     r.env.update(how)
     r.start()
+    _to_disk_and_back(r, Sandbox.create("base", timeout=300))
+
+
+def test_a_sandbox_from_the_pool_pauses_to_disk_and_resumes(
+    node_home: Restartable,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """A pool member waits frozen by the cgroup freezer (v1 too: the one a pool
+    member may use); once adopted it pauses, is copied to disk while paused,
+    hibernates and resumes from disk as any sandbox does."""
+    r = node_home
+    r.env.update({"AENV_POOL_SIZE": "1", "AENV_WRITE_BEHIND_AFTER": "1",
+                  "AENV_HIBERNATE_AFTER": "4"})  # fmt: skip
+    r.start()
+    # creates until the template is a snapshot and hot (asked for twice): the pool fills
+    deadline = time.monotonic() + 120
+    while not _frozen_by_cgroup(PREFIX):
+        assert time.monotonic() < deadline, "no pool member frozen by the cgroup freezer"
+        Sandbox.create("base", timeout=60).kill()
+        time.sleep(2)
     s = Sandbox.create("base", timeout=300)
+    logs = r.get(f"/sandboxes/{s.sandbox_id}/logs").json()["logs"]
+    assert any("adopted from the pool" in e["line"] for e in logs)
+    _to_disk_and_back(r, s)
+
+
+def _frozen_by_cgroup(prefix: str) -> int:
+    """How many of the node's sandboxes the cgroup freezer (v2 or v1) holds."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    base = Path("/sys/fs/cgroup") / ("" if v2 else "freezer") / prefix
+    found = 0
+    for d in base.glob("*"):
+        with contextlib.suppress(OSError):
+            if v2:
+                found += "frozen 1" in (d / "cgroup.events").read_text().splitlines()
+            else:
+                found += (d / "freezer.state").read_text().strip() == "FROZEN"
+    return found
+
+
+def _to_disk_and_back(r: Restartable, s: Sandbox) -> None:
+    """What the user did (tests.e2e.sequences), a full pause, on disk, then resumed."""
     sid = s.sandbox_id
     for sequence in SEQUENCES.values():
         sequence(s)

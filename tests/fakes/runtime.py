@@ -117,6 +117,8 @@ class FakeSandbox:
     owner: int
     restored_from: Path | None = None
     state: Guest = Guest.RUNNING
+    # frozen with `may_checkpoint=False`: a checkpoint or hold before the thaw is a bug
+    until_thaw: bool = False
     exit_status: int | None = None
     _exited: trio.Event = field(default_factory=trio.Event, repr=False)
 
@@ -167,13 +169,14 @@ class FakeSandbox:
     async def compact_image(self, image_dir: Path) -> None:
         await trio.lowlevel.checkpoint()  # (the fake's images are not page files)
 
-    async def freeze(self) -> None:
-        self.runtime._record("freeze", self)
+    async def freeze(self, *, may_checkpoint: bool = True) -> None:
+        self.runtime._record("freeze" if may_checkpoint else "freeze-until-thaw", self)
         self.runtime.faults.check("freeze", self.sandbox_id)
         await trio.lowlevel.checkpoint()
         self._require(Guest.RUNNING, Guest.FROZEN, Guest.PAUSED, op="freeze")
         if self.state is Guest.RUNNING:
             self.state = Guest.FROZEN
+            self.until_thaw = not may_checkpoint
 
     async def thaw(self) -> None:
         self.runtime._record("thaw", self)
@@ -181,9 +184,11 @@ class FakeSandbox:
         await trio.lowlevel.checkpoint()
         if self.state in (Guest.FROZEN, Guest.PAUSED):
             self.state = Guest.RUNNING
+            self.until_thaw = False
 
     async def checkpoint_frozen(self, image_dir: Path) -> None:
         self.runtime._record("checkpoint_frozen", self)
+        self._refuse_until_thaw("checkpoint_frozen")
         self._require(Guest.FROZEN, Guest.PAUSED, op="checkpoint_frozen")
         self.state = Guest.PAUSED  # the cgroup freezer hands over to runsc pause
         await self._checkpoint("checkpoint_frozen", image_dir, leave_running=True)
@@ -191,6 +196,7 @@ class FakeSandbox:
     @asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
         self.runtime._record("hold", self)
+        self._refuse_until_thaw("hold")
         self.runtime.faults.check("hold", self.sandbox_id)
         await trio.lowlevel.checkpoint()
         self._require(Guest.RUNNING, op="hold")
@@ -206,6 +212,7 @@ class FakeSandbox:
     async def _checkpoint(self, op: str, image_dir: Path, *, leave_running: bool) -> None:
         """runsc checkpoint: it fails on a frozen sandbox only at its timeout."""
         rt = self.runtime
+        self._refuse_until_thaw(op)
         if self.state is not Guest.FROZEN:
             self._require(Guest.RUNNING, Guest.PAUSED, op=op)
             _make_image_dir(image_dir)
@@ -216,6 +223,13 @@ class FakeSandbox:
         (image_dir / IMAGE_FILE).write_text(json.dumps(image))
         if not leave_running:
             self._exit(0)
+
+    def _refuse_until_thaw(self, op: str) -> None:
+        """The contract of `freeze(may_checkpoint=False)`: thawed before anything else."""
+        if self.until_thaw:
+            raise AssertionError(
+                f"{op} of {self.sandbox_id}, frozen with may_checkpoint=False and not thawed"
+            )
 
     def _require(self, *states: Guest, op: str) -> None:
         if self.state not in states:

@@ -17,8 +17,9 @@ import trio.testing
 
 from aenv.config import Config
 from aenv.node.node import Node, SandboxNotFound
-from aenv.node.sandbox import Pause, Resume
+from aenv.node.sandbox import Pause, Resume, SetTimeout
 from aenv.proto import lifecycle as lc
+from aenv.storage.metadata import SandboxWrite
 from tests.fakes.host import FakeHost
 from tests.fakes.node import AutoJump, crash, create, open_test_node
 from tests.fakes.runtime import Guest, Timings, drop_image
@@ -166,3 +167,36 @@ async def test_a_frozen_sandbox_whose_runtime_died_comes_back_paused_from_its_co
         restored = fake.runtime.get(actor.sandbox_id)
         assert restored.restored_from == back.workdir / copy
         assert fake.roots.read(restored.spec.rootfs, "root/notes") == "in the copy"
+
+
+async def test_only_records_a_host_crash_could_not_make_matter_skip_the_sync(
+    clock: trio.testing.MockClock, node: Node, fake: FakeHost
+) -> None:
+    """A running sandbox's records (and the removal of one) are committed without
+    waiting for the disk: after a host crash nothing of it runs to take back. Every
+    record of a paused or frozen sandbox, and the running one that replaces it
+    (else a resumed sandbox could come back paused from an image it left), syncs."""
+    synced: list[tuple[str | None, bool]] = []
+    write_many = node.meta.store.write_sandboxes
+
+    def noted(records: list[SandboxWrite], *, sync: bool = True) -> None:
+        synced.extend((state, sync) for _, state, _, _ in records)
+        write_many(records, sync=sync)
+
+    node.meta.store.write_sandboxes = noted  # type: ignore[method-assign]
+    actor = await create(node, timeout_s=600)
+    await actor.mailbox.ask(SetTimeout(900))
+    await actor.mailbox.ask(Pause("full"))
+    await actor.mailbox.ask(Resume(None))
+    await actor.mailbox.ask(Pause("filesystem"))
+    await actor.mailbox.ask(Resume(None))
+    await node.kill(actor.sandbox_id)
+    assert synced == [
+        ("running", False),  # created
+        ("running", False),  # its timeout set
+        ("frozen", True),
+        ("running", True),  # resumed from memory
+        ("paused", True),
+        ("running", True),  # resumed from disk
+        (None, False),  # killed while running
+    ]

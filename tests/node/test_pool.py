@@ -19,7 +19,9 @@ import trio.testing
 
 from aenv.node.node import Node
 from aenv.node.pool import QUIET_MAX_S
+from aenv.node.sandbox import Pause, Resume
 from aenv.node.snapshots import snapshot_name
+from aenv.proto import lifecycle as lc
 from aenv.storage.templates import Template
 from tests.fakes.host import FakeHost
 from tests.fakes.node import TEMPLATE, AutoJump, create, new, node_config, open_test_node
@@ -131,3 +133,32 @@ async def test_a_member_adopts_the_create_whole_and_one_that_fails_is_stopped(
         await other.stop()
         assert node.meta.store.get_sandbox(other.sandbox_id) is None
         assert [a.sandbox_id for a in node.list()] == [member.sandbox_id]
+
+
+async def test_members_wait_frozen_for_their_thaw_and_an_adopted_one_pauses_to_disk(
+    clock: trio.testing.MockClock, autojump: AutoJump, tmp_path: Path, fake: FakeHost
+) -> None:
+    """A member is frozen with `may_checkpoint=False` (the runtime may use a freezer
+    a checkpoint must not follow: the fake fails any checkpoint or hold before its
+    thaw) and thawed first when adopted; the adopted sandbox then pauses as any other,
+    gets its copy on disk while paused, hibernates from it and resumes from disk."""
+    async with open_test_node(node_config(tmp_path, pool_size=1), fake) as node:
+        template = await _hot_template(node)
+        node.pool.take(template)
+        node.pool.take(template)  # (hot: asked for twice)
+        await autojump.until(lambda: _ready(node, template) == 1)
+        member = node.pool.take(template)
+        assert member is not None
+        assert fake.runtime.get(member.sandbox_id).until_thaw
+        ops = [c.op for c in fake.runtime.calls if c.sandbox_id == member.sandbox_id]
+        assert ops == ["restore", "freeze-until-thaw"]
+        await member.adopt(new(600))
+        assert not fake.runtime.get(member.sandbox_id).until_thaw
+        await member.mailbox.ask(Pause("full"))
+        assert member.frozen_pause
+        await autojump.until(lambda: member.on_disk)
+        ops = [c.op for c in fake.runtime.calls if c.sandbox_id == member.sandbox_id]
+        assert ops[2:] == ["thaw", "freeze", "checkpoint_frozen", "thaw", "stop"]
+        assert await member.mailbox.ask(Resume(None)) is True
+        assert member.state is lc.State.RUNNING
+        await member.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 from pathlib import Path
@@ -110,9 +111,9 @@ async def test_concurrent_sandbox_records_are_committed_together_in_order(
     batches: list[int] = []
     write_many = store.write_sandboxes
 
-    def counted(records: list[SandboxWrite]) -> None:
+    def counted(records: list[SandboxWrite], *, sync: bool = True) -> None:
         batches.append(len(records))
-        write_many(records)
+        write_many(records, sync=sync)
 
     store.write_sandboxes = counted  # type: ignore[method-assign]
     meta = Metadata(store)
@@ -151,3 +152,24 @@ async def test_concurrent_sandbox_records_are_committed_together_in_order(
         for i in range(5):
             nursery.start_soon(put, i)
     assert len(failures) == 5
+
+
+async def test_records_written_without_a_sync_are_there_after_a_reopen(tmp_path: Path) -> None:
+    """`sync=False` skips only the wait for the disk: the record is committed (a
+    node process that dies right after finds it), and later writes sync as before."""
+    db = tmp_path / "m.db"
+    store = MetadataStore(db)
+    meta = Metadata(store)
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(
+                functools.partial(meta.put_sandbox, f"s{i}", "running", {"n": i}, 0.0, sync=False)
+            )
+        nursery.start_soon(meta.put_sandbox, "p", "paused", {"n": 9}, 0.0)
+    await meta.delete_sandbox("s0", sync=False)
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again
+    reopened = sqlite3.connect(db)  # (as a restarted node would read it)
+    ids = {r[0] for r in reopened.execute("SELECT id FROM sandboxes")}
+    assert ids == {"s1", "s2", "s3", "s4", "p"}
+    reopened.close()
+    store.close()
