@@ -471,6 +471,7 @@ class Durable:
                 return None  # a template of that name wins
             except (TemplateNotFound, InvalidName):
                 pass
+        t0 = trio.current_time()
         try:
             m = await fetch_manifest(self.store, name_or_id, by_id=by_id)
             if m is None and by_id:
@@ -484,6 +485,11 @@ class Durable:
             raise CorruptSnapshot(str(exc)) from None
         if m is None:
             return None
+        log.info(
+            "found snapshot %s in the object store in %.3fs",
+            m.snapshot_id,
+            trio.current_time() - t0,
+        )
         self._found[m.snapshot_id] = m
         return {
             **m.record,
@@ -493,12 +499,21 @@ class Durable:
             "storage": "durable",
         }
 
-    async def ensure_local(self, doc: dict[str, Any], template: Template) -> dict[str, Any]:
+    async def ensure_local(
+        self, doc: dict[str, Any], template: Template, *, torn: bool = False
+    ) -> dict[str, Any]:
         """`doc` if its layers and image are all on disk, else a restored copy of it
-        (a new record, whose memory image was verified as it came from the store)."""
+        (a new record, whose memory image was verified as it came from the store).
+
+        With `torn` (its image on disk failed its checksums) a durable snapshot's
+        image is fetched again: a restore does not flush the image it writes (a
+        cache of the store, checked once per node process before it is used), so
+        a crash may leave it torn."""
         snap_id = str(doc["snapshotID"])
         snapshots, layers = self._snapshots, self._layers
         gaps = await trio.to_thread.run_sync(snapshots.local_gaps, doc, layers.layers_dir)
+        if torn:
+            gaps.append("an intact memory image")
         if not gaps:
             return doc
         if self.store is None:
@@ -506,8 +521,12 @@ class Durable:
         lock = self._restoring.setdefault(snap_id, trio.Lock())
         async with lock:
             local = await self._meta.run(self._meta.store.get_snapshot, snap_id)
-            if local is not None and not await trio.to_thread.run_sync(
-                snapshots.local_gaps, local, layers.layers_dir
+            if (
+                not torn
+                and local is not None
+                and not await trio.to_thread.run_sync(
+                    snapshots.local_gaps, local, layers.layers_dir
+                )
             ):
                 return local  # restored by a concurrent create
             try:
@@ -533,6 +552,7 @@ class Durable:
         lazy: list[StoredLayer] = []
         image_dir: Path | None = None
         start = trio.current_time()
+        took: dict[str, float] = {}  # seconds per phase, for the log
         store = self.store
         try:
             for sl in m.layers:
@@ -548,13 +568,19 @@ class Durable:
                 await trio.to_thread.run_sync(image_dir.mkdir)
 
             async def image(into: Path) -> None:
-                sums.update(await download_image(store, m, into))
+                t0 = trio.current_time()
+                # not flushed: a crash that tears it is caught by the checksums
+                # (`ensure_local(torn=True)` fetches it again)
+                sums.update(await download_image(store, m, into, sync=False, timings=took))
+                took["image"] = trio.current_time() - t0
 
             served: list[tuple[StoredLayer, bytes, LayerIndex, Path]] = []
 
             async def serve(sl: StoredLayer) -> None:
+                t0 = trio.current_time()
                 raw, index = await fetch_layer_index(store, m.snapshot_id, sl)
                 served.append((sl, raw, index, await self._serve_lazy(sl.id, sl.index, raw, index)))
+                took["layers"] = max(took.get("layers", 0.0), trio.current_time() - t0)
 
             # every missing layer (or its index, to serve it on demand) and the memory
             # image at once
@@ -599,9 +625,10 @@ class Durable:
                     await trio.to_thread.run_sync(_remove, image_dir)
             raise
         log.info(
-            "restored snapshot %s from the object store in %.2fs",
+            "restored snapshot %s from the object store in %.3fs (%s)",
             m.snapshot_id,
             trio.current_time() - start,
+            " ".join(f"{k} {v:.3f}" for k, v in took.items()),
         )
         return doc
 

@@ -5,7 +5,8 @@ plan groups into one new pack, pads each to a full page and compresses the
 run with zstd (deterministic for the same input, so a retried upload makes
 the same blob); `open_pack` reverses it and checks the page count;
 `write_pages` puts a pack's pages at their offsets in a file being
-restored. Page maps travel zstd-compressed too (`pack_map` / `unpack_map`).
+restored, and `place_pack` does all of it for one downloaded pack, each page
+checked against its hash in the map first (`bad_page`). Page maps travel zstd-compressed too (`pack_map` / `unpack_map`).
 Nothing here talks to the store.
 """
 
@@ -77,6 +78,28 @@ def open_pack(data: bytes, pack: Pack) -> bytes:
     return raw
 
 
+def bad_page(m: PageMap, raw: bytes, placements: Sequence[tuple[int, int]]) -> int | None:
+    """The first page of the (page, slot) pairs whose bytes in `raw` (a pack's pages)
+    do not hash to the map's hash of that page; None if every one does."""
+    view = memoryview(raw)
+    for page, slot in placements:
+        got = hashlib.sha256(view[slot * PAGE_SIZE : slot * PAGE_SIZE + m.page_len(page)])
+        if got.digest()[:HASH_BYTES] != m.page_hash(page):
+            return page
+    return None
+
+
+def place_pack(
+    path: Path, m: PageMap, data: bytes, pack: Pack, placements: Sequence[tuple[int, int]]
+) -> None:
+    """Open a pack blob, check every page it gives `path` against its hash, write them."""
+    raw = open_pack(data, pack)
+    page = bad_page(m, raw, placements)
+    if page is not None:
+        raise BadPack(f"page {page} does not match its hash in the page map")
+    write_pages(path, m, raw, placements)
+
+
 def write_pages(path: Path, m: PageMap, raw: bytes, placements: Sequence[tuple[int, int]]) -> None:
     """Write the (page, slot) pairs of one pack's pages `raw` into `path`."""
     view = memoryview(raw)
@@ -103,10 +126,12 @@ def unpack_map(data: bytes) -> PageMap:
 
 __all__ = [
     "BadPack",
+    "bad_page",
     "build_pack",
     "hash_pages",
     "open_pack",
     "pack_map",
+    "place_pack",
     "unpack_map",
     "write_pages",
 ]
