@@ -16,7 +16,10 @@ One run starts moto's S3 server on loopback (tests/s3.py) and measures:
   saw it: layers and image come from S3 first). The snapshot is taken on a
   first node (a busybox sandbox with a running process and `--data-mb` MiB
   of random file data), waited for until durable, then that node stops;
-  each cold sample starts a node with a fresh private home (not timed).
+  each cold sample starts a node with a fresh private home (not timed), so
+  it is also that node's first create; cold_serving is a cold restore (of a
+  snapshot of another sandbox like it) on that node after it served the
+  cold and warm samples: the store's part alone.
   Cold is measured twice: with the snapshot's layers served on demand (the
   default) and downloaded whole first (`AENV_LAZY_RESTORE=0`, cold_eager).
 
@@ -194,12 +197,12 @@ def _resume_once(snapshot_id: str, parts: dict[str, list[float]] | None = None) 
 _PHASE = re.compile(r"in ([0-9.]+)s(?: \(([^)]*)\))?")
 
 
-def _store_phases(node: NodeProc, parts: dict[str, list[float]]) -> None:
+def _store_phases(node: NodeProc, snapshot_id: str, parts: dict[str, list[float]]) -> None:
     """Add the node's own account of a cold restore (its log) to `parts`: the
     manifest lookup, then the restore from the store and its phases."""
     for line in node.log_path.read_text(errors="replace").splitlines():
         for marker, name in (("found snapshot", "manifest"), ("restored snapshot", "restore")):
-            if marker not in line or "object store" not in line:
+            if f"{marker} {snapshot_id}" not in line or "object store" not in line:
                 continue
             hit = _PHASE.search(line)
             if hit is None:
@@ -246,21 +249,33 @@ def resume(
         s.commands.run(f"head -c {MiB} /dev/urandom > $HOME/more.bin")
         second_wait, detail2 = _durable_snapshot(node, key, s.sandbox_id)
         s.kill()
+        # another sandbox like it, for cold restores on a node that is already serving
+        s = Sandbox.create("busybox", timeout=300)
+        s.commands.run(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done", background=True
+        )
+        s.commands.run(f"head -c {data_mb * MiB} /dev/urandom > $HOME/data.bin")
+        other = _durable_snapshot(node, key, s.sandbox_id)[1]["snapshotID"]
+        s.kill()
     finally:
         env.restore()
         _stop(node)
     cold: list[float] = []
     eager: list[float] = []
     warm: list[float] = []
+    serving: list[float] = []
     cold_parts: dict[str, list[float]] = {}
     warm_parts: dict[str, list[float]] = {}
+    serving_parts: dict[str, list[float]] = {}
     for i in range(n):
         node = _node(built, work, f"cold{i}", s3, prefix, key)
         env = Env(node)
         try:
             cold.append(_resume_once(sid, cold_parts))
             warm.append(_resume_once(sid, warm_parts))
-            _store_phases(node, cold_parts)
+            serving.append(_resume_once(other, serving_parts))
+            _store_phases(node, sid, cold_parts)
+            _store_phases(node, other, serving_parts)
         finally:
             env.restore()
             _stop(node)
@@ -281,8 +296,10 @@ def resume(
         "cold_s": stats(cold),
         "cold_eager_s": stats(eager),
         "warm_s": stats(warm),
+        "cold_serving_s": stats(serving),
         "cold_parts_s": {k: stats(v) for k, v in cold_parts.items()},
         "warm_parts_s": {k: stats(v) for k, v in warm_parts.items()},
+        "cold_serving_parts_s": {k: stats(v) for k, v in serving_parts.items()},
     }
 
 
@@ -326,11 +343,11 @@ def main() -> None:
                 f"({up2.get('imageBytes')} of memory: {up2.get('reusedPages')} of "
                 f"{up2.get('imagePages')} pages already stored)"
             )
-            for kind in ("cold", "cold_eager", "warm"):
+            for kind in ("cold", "cold_eager", "cold_serving", "warm"):
                 st = rs[f"{kind}_s"]
                 if st["n"]:
                     print(f"resume {kind}: p50 {st['p50']:.3f}s p95 {st['p95']:.3f}s (n={st['n']})")
-            for kind in ("cold", "warm"):
+            for kind in ("cold", "cold_serving", "warm"):
                 parts = ", ".join(f"{k} {st['p50']:.3f}" for k, st in rs[f"{kind}_parts_s"].items())
                 print(f"  {kind} p50 by part (s): {parts}")
     finally:
