@@ -163,6 +163,10 @@ def _node(
         "AENV_NET_PREFIX": NET_PREFIX,
         "AENV_SLOT_CIDR": SLOT_CIDR,
         "AENV_STORE_URL": s3.url(prefix),
+        # not the default templates' share at start: seconds of hashing `base`'s
+        # root on the node's CPUs while the cold sample runs, a one-off of a new
+        # node that a resume on a node already up never meets
+        "AENV_SHARE_DEFAULT_TEMPLATES": "off",
         **s3.env(),
         **extra,
     }

@@ -86,6 +86,7 @@ from aenv.storage.sharedtemplates import (
 )
 from aenv.storage.snapstore import (
     GcReport,
+    LocalImage,
     LocalLayer,
     Manifest,
     SnapshotUnavailable,
@@ -116,6 +117,7 @@ def image_record_key(key: str) -> str:
 
 
 UPLOAD_CONCURRENCY = 2  # snapshots uploading at once
+LOCAL_IMAGE_SOURCES = 2  # local memory images a restore looks for its pages in
 LAZY_KEY_PREFIX = "layer-"  # image mount directories of layers served on demand
 RETRY_BASE_S = 0.5
 RETRY_MAX_S = 10.0
@@ -568,10 +570,21 @@ class Durable:
                 await trio.to_thread.run_sync(image_dir.mkdir)
 
             async def image(into: Path) -> None:
+                local = await self._local_images(m)
                 t0 = trio.current_time()
                 # not flushed: a crash that tears it is caught by the checksums
                 # (`ensure_local(torn=True)` fetches it again)
-                sums.update(await download_image(store, m, into, sync=False, timings=took))
+                sums.update(
+                    await download_image(
+                        store,
+                        m,
+                        into,
+                        sync=False,
+                        local=local,
+                        keep_hashes=into.parent / "hashes",
+                        timings=took,
+                    )
+                )
                 took["image"] = trio.current_time() - t0
 
             served: list[tuple[StoredLayer, bytes, LayerIndex, Path]] = []
@@ -628,9 +641,33 @@ class Durable:
             "restored snapshot %s from the object store in %.3fs (%s)",
             m.snapshot_id,
             trio.current_time() - start,
-            " ".join(f"{k} {v:.3f}" for k, v in took.items()),
+            " ".join(
+                f"{k} {v:.0f}" if k.startswith("pages") else f"{k} {v:.3f}" for k, v in took.items()
+            ),
         )
         return doc
+
+    async def _local_images(self, m: Manifest) -> list[LocalImage]:
+        """The memory images on this node a restore of `m` may take pages from:
+        of snapshots of the same template with layers in common (an earlier
+        snapshot of the same sandbox, or of its fork parent), most in common
+        and newest first."""
+        docs = await self._snapshots.of_template(str(m.record.get("templateID")))
+        mine = {sl.id for sl in m.layers}
+        ranked = sorted(
+            (
+                (len(mine.intersection(d.get("layers") or ())), float(d.get("createdAt") or 0), d)
+                for d in docs
+                if d.get("image") and d.get("snapshotID") != m.snapshot_id
+            ),
+            key=lambda t: (t[0], t[1]),
+            reverse=True,
+        )
+        return [
+            LocalImage(files=Path(d["image"]), hashes=Path(d["image"]).parent / "hashes")
+            for common, _t, d in ranked[:LOCAL_IMAGE_SOURCES]
+            if common > 0
+        ]
 
     # -- layers served on demand ---------------------------------------------------------
 

@@ -34,6 +34,7 @@ from aenv.storage.objstore import (
     open_object_store,
 )
 from aenv.storage.snapstore import (
+    LocalImage,
     LocalLayer,
     SnapshotUnavailable,
     collect_garbage,
@@ -515,6 +516,51 @@ async def test_a_page_that_does_not_match_its_map_fails_naming_its_pack(
         await download_image(backend.store, bad, tmp_path / "back")
     # the honest map still restores the same bytes
     assert await download_image(backend.store, m, tmp_path / "ok") == _sums(tmp_path / "ok")
+
+
+async def test_pages_a_local_image_holds_are_copied_not_fetched(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """A node holding an earlier image of a sandbox fetches only the packs of the
+    pages that changed; a local copy that lies (torn) costs fetches, never bytes."""
+    pages = [os.urandom(4096) for _ in range(1024)]
+    i1 = _guest_image(tmp_path / "i1", pages, b"kernel state")
+    await _upload_image(backend, "snap-1", i1)
+    m1 = await fetch_manifest(backend.store, "snap-1", by_id=True)
+    assert m1 is not None
+    (tmp_path / "r1").mkdir()
+    await download_image(
+        backend.store, m1, tmp_path / "r1" / "image", keep_hashes=tmp_path / "r1" / "hashes"
+    )
+    assert (tmp_path / "r1" / "hashes" / "pages.img").stat().st_size == 1024 * 16
+    pages[500:510] = [os.urandom(4096) for _ in range(10)]
+    i2 = _guest_image(tmp_path / "i2", pages, b"kernel state 2")
+    await _upload_image(backend, "snap-2", i2, ("snap-1",))
+    m2 = await fetch_manifest(backend.store, "snap-2", by_id=True)
+    assert m2 is not None
+
+    async def restore(into: str, local: list[LocalImage]) -> tuple[dict[str, float], int]:
+        t: dict[str, float] = {}
+        before = backend.store.statistics().requests
+        got = await download_image(backend.store, m2, tmp_path / into, local=local, timings=t)
+        assert got == _sums(i2) == _sums(tmp_path / into)
+        return t, backend.store.statistics().requests - before
+
+    cold, cold_gets = await restore("cold", [])
+    assert cold["pages_local"] == 0 and cold["pages_fetched"] == 1024 + 1
+    # the image restored earlier, with the hashes kept beside it
+    near = LocalImage(files=tmp_path / "r1" / "image", hashes=tmp_path / "r1" / "hashes")
+    warm, warm_gets = await restore("near", [near])
+    assert warm["pages_fetched"] == 10 + 1  # the changed pages, the new state file
+    assert warm_gets <= cold_gets - 3  # 2 of the 4 packs of guest memory stay in the store
+    # an image without kept hashes (taken on this node): hashed, the same
+    assert (await restore("bare", [LocalImage(files=i1)]))[0]["pages_fetched"] == 11
+    # a torn local copy: its bad pages are fetched instead
+    with (tmp_path / "r1" / "image" / "pages.img").open("r+b") as f:
+        f.seek(100 * 4096)
+        f.write(bytes(3 * 4096))
+    torn, _ = await restore("torn", [near])
+    assert torn["pages_fetched"] == 11 + 3
 
 
 async def test_a_version_1_manifest_with_chunked_images_still_restores(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -22,7 +23,13 @@ from aenv.kit.errors import one_error
 from aenv.kit.files import fsync_tree
 from aenv.proto import pagemap
 from aenv.proto.layerindex import CHUNK_SIZE, BadIndex, Chunk, LayerIndex, loads
-from aenv.storage.memimage import BadPack, place_pack, unpack_map
+from aenv.storage.memimage import (
+    BadPack,
+    copy_local_pages,
+    page_hashes_of,
+    place_pack,
+    unpack_map,
+)
 from aenv.storage.objstore import CorruptObject, ObjectNotFound, ObjectStore, blob_key
 from aenv.storage.snapstore.manifest import (
     ImageFile,
@@ -113,6 +120,16 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class LocalImage:
+    """A memory image already on this node whose pages a restore may copy rather
+    than fetch: its directory of files and, if kept, the directory holding the
+    page hashes of those files (one file of HASH_BYTES per page each, by name)."""
+
+    files: Path
+    hashes: Path | None = None
+
+
 async def download_image(
     store: ObjectStore,
     m: Manifest,
@@ -120,6 +137,8 @@ async def download_image(
     *,
     concurrency: int = 8,
     sync: bool = True,
+    local: Sequence[LocalImage] = (),
+    keep_hashes: Path | None = None,
     timings: dict[str, float] | None = None,
 ) -> dict[str, str]:
     """Fetch the memory image into the new directory `dest`; returns its checksums.
@@ -127,7 +146,13 @@ async def download_image(
     A paged file (version 2) is checked page by page as its packs arrive (each
     pack against its digest, each page against its hash in the page map, itself
     fetched by digest), so it is not read back; its checksum is the manifest's.
-    A chunked file (version 1) is read back and checked against its checksum.
+    Pages a `local` image holds (same file name, same page hash: an earlier
+    snapshot of the same sandbox, say) are copied from it, each checked
+    against its hash, and only the packs holding the other pages are
+    fetched. `keep_hashes` (a new directory) receives the page hashes of the
+    paged files, for later restores to find pages in this one without
+    reading it. A chunked file (version 1) is read back and checked against
+    its checksum.
     With `sync` the files are flushed to disk before returning; a caller that
     can fetch the image again when a crash tears the copy (the node's restores,
     which check a snapshot's checksums once per process) passes False and keeps
@@ -163,11 +188,36 @@ async def download_image(
             pieces.append((dest / f.name, Chunk(digest, size, offset)))
             offset += size
     clock.lap("maps")
+    if keep_hashes is not None and maps:
+
+        def keep() -> None:
+            keep_hashes.mkdir()
+            for name, pmap in maps.items():
+                (keep_hashes / name).write_bytes(pmap.hashes)
+
+        await trio.to_thread.run_sync(keep, limiter=io)
+    counts = [0, 0]  # pages copied from local images, pages fetched
     with one_error():
         async with trio.open_nursery() as n:
             n.start_soon(_fill, store, m.snapshot_id, pieces, concurrency, io)
             for name, pmap in maps.items():
-                n.start_soon(_fill_pages, store, m.snapshot_id, dest / name, pmap, concurrency, io)
+                sources = [
+                    (li.files / name, None if li.hashes is None else li.hashes / name)
+                    for li in local
+                ]
+                n.start_soon(
+                    _fill_paged,
+                    store,
+                    m.snapshot_id,
+                    dest / name,
+                    pmap,
+                    sources,
+                    counts,
+                    io,
+                    concurrency,
+                )
+    if timings is not None and maps:
+        timings["pages_local"], timings["pages_fetched"] = map(float, counts)
     clock.lap("fetch")
     sums: dict[str, str] = {}
     for f in m.image:
@@ -217,17 +267,66 @@ async def _stored_map(store: ObjectStore, snapshot_id: str, f: ImageFile) -> pag
     return pmap
 
 
+async def _fill_paged(
+    store: ObjectStore,
+    snapshot_id: str,
+    path: Path,
+    pmap: pagemap.PageMap,
+    sources: Sequence[tuple[Path, Path | None]],
+    counts: list[int],
+    io: trio.CapacityLimiter,
+    concurrency: int = 8,
+) -> None:
+    """Rebuild one paged file: pages local files offer are copied while the
+    packs of the others download; a copy that fails its check is fetched after."""
+
+    def offered() -> tuple[list[Path], dict[bytes, tuple[int, int]]]:
+        found = [(p, h) for p, h in sources if p.is_file()]
+        hashes = [page_hashes_of(p, h) for p, h in found]
+        return [p for p, _h in found], pagemap.local_offers(hashes)
+
+    files, offers = await trio.to_thread.run_sync(offered, limiter=io) if sources else ([], {})
+    plan = pagemap.restore_plan(pmap, offers)
+    bad: list[int] = []
+
+    async def copy() -> None:
+        bad.extend(
+            await trio.to_thread.run_sync(
+                copy_local_pages, path, pmap, plan.local, files, limiter=io
+            )
+        )
+
+    with one_error():
+        async with trio.open_nursery() as n:
+            if plan.local:
+                n.start_soon(copy)
+            n.start_soon(_fill_pages, store, snapshot_id, path, pmap, plan.packs, concurrency, io)
+    fetched = plan.fetched_pages
+    if bad:  # not what the map says (a torn local copy): from the store after all
+        again = pagemap.restore_plan(pmap, {}, fetch=frozenset(bad))
+        wanted = set(bad)
+        packs = [
+            (p, tuple(pair for pair in pairs if pair[0] in wanted)) for p, pairs in again.packs
+        ]
+        packs = [(p, pairs) for p, pairs in packs if pairs]
+        await _fill_pages(store, snapshot_id, path, pmap, packs, concurrency, io)
+        fetched += len(bad)
+    counts[0] += pmap.pages - fetched
+    counts[1] += fetched
+
+
 async def _fill_pages(
     store: ObjectStore,
     snapshot_id: str,
     path: Path,
     pmap: pagemap.PageMap,
+    packs: Sequence[tuple[int, Sequence[tuple[int, int]]]],
     concurrency: int,
     io: trio.CapacityLimiter,
 ) -> None:
     sem = trio.Semaphore(concurrency)
 
-    async def one(p: int, placements: list[tuple[int, int]]) -> None:
+    async def one(p: int, placements: Sequence[tuple[int, int]]) -> None:
         pack = pmap.packs[p]
         async with sem:
             data = await _blob(store, snapshot_id, pack.digest)
@@ -240,5 +339,5 @@ async def _fill_pages(
 
     with one_error():
         async with trio.open_nursery() as n:
-            for p, placements in pmap.placements().items():
+            for p, placements in packs:
                 n.start_soon(one, p, placements)
