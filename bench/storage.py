@@ -19,7 +19,9 @@ One run starts moto's S3 server on loopback (tests/s3.py) and measures:
   each cold sample starts a node with a fresh private home (not timed), so
   it is also that node's first create; cold_serving is a cold restore (of a
   snapshot of another sandbox like it) on that node after it served the
-  cold and warm samples: the store's part alone.
+  cold and warm samples: the store's part alone; cold_next restores the
+  second snapshot of the first sandbox there, most of whose memory pages
+  the node has in the first one's image (copied, not fetched).
   Cold is measured twice: with the snapshot's layers served on demand (the
   default) and downloaded whole first (`AENV_LAZY_RESTORE=0`, cold_eager).
 
@@ -252,6 +254,7 @@ def resume(
         # a later snapshot of the same sandbox: only what changed goes up (pages, files)
         s.commands.run(f"head -c {MiB} /dev/urandom > $HOME/more.bin")
         second_wait, detail2 = _durable_snapshot(node, key, s.sandbox_id)
+        sid2 = detail2["snapshotID"]
         s.kill()
         # another sandbox like it, for cold restores on a node that is already serving
         s = Sandbox.create("busybox", timeout=300)
@@ -268,6 +271,8 @@ def resume(
     eager: list[float] = []
     warm: list[float] = []
     serving: list[float] = []
+    following: list[float] = []
+    next_parts: dict[str, list[float]] = {}
     cold_parts: dict[str, list[float]] = {}
     warm_parts: dict[str, list[float]] = {}
     serving_parts: dict[str, list[float]] = {}
@@ -278,8 +283,11 @@ def resume(
             cold.append(_resume_once(sid, cold_parts))
             warm.append(_resume_once(sid, warm_parts))
             serving.append(_resume_once(other, serving_parts))
+            # the later snapshot of the first sandbox: most of its pages are local now
+            following.append(_resume_once(sid2, next_parts))
             _store_phases(node, sid, cold_parts)
             _store_phases(node, other, serving_parts)
+            _store_phases(node, sid2, next_parts)
         finally:
             env.restore()
             _stop(node)
@@ -301,9 +309,11 @@ def resume(
         "cold_eager_s": stats(eager),
         "warm_s": stats(warm),
         "cold_serving_s": stats(serving),
+        "cold_next_s": stats(following),
         "cold_parts_s": {k: stats(v) for k, v in cold_parts.items()},
         "warm_parts_s": {k: stats(v) for k, v in warm_parts.items()},
         "cold_serving_parts_s": {k: stats(v) for k, v in serving_parts.items()},
+        "cold_next_parts_s": {k: stats(v) for k, v in next_parts.items()},
     }
 
 
@@ -347,12 +357,15 @@ def main() -> None:
                 f"({up2.get('imageBytes')} of memory: {up2.get('reusedPages')} of "
                 f"{up2.get('imagePages')} pages already stored)"
             )
-            for kind in ("cold", "cold_eager", "cold_serving", "warm"):
+            for kind in ("cold", "cold_eager", "cold_serving", "cold_next", "warm"):
                 st = rs[f"{kind}_s"]
                 if st["n"]:
                     print(f"resume {kind}: p50 {st['p50']:.3f}s p95 {st['p95']:.3f}s (n={st['n']})")
-            for kind in ("cold", "cold_serving", "warm"):
-                parts = ", ".join(f"{k} {st['p50']:.3f}" for k, st in rs[f"{kind}_parts_s"].items())
+            for kind in ("cold", "cold_serving", "cold_next", "warm"):
+                parts = ", ".join(
+                    f"{k} {st['p50']:.0f}" if "pages" in k else f"{k} {st['p50']:.3f}"
+                    for k, st in rs[f"{kind}_parts_s"].items()
+                )
                 print(f"  {kind} p50 by part (s): {parts}")
     finally:
         s3.stop()
