@@ -8,8 +8,9 @@ the same blob); `open_pack` reverses it and checks the page count;
 restored, and `place_pack` does all of it for one downloaded pack, each page
 checked against its hash in the map first (`bad_page`); `copy_local_pages`
 takes pages a restore finds in local files instead (checked the same way),
-whose hashes `page_hashes_of` reads from beside them or computes. Page maps travel zstd-compressed too (`pack_map` / `unpack_map`).
-Nothing here talks to the store.
+whose hashes `page_hashes_of` reads from beside them or computes. Page
+maps travel zstd-compressed too (`pack_map` / `unpack_map`). Nothing here
+talks to the store.
 """
 
 from __future__ import annotations

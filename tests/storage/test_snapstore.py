@@ -555,6 +555,10 @@ async def test_pages_a_local_image_holds_are_copied_not_fetched(
     assert warm_gets <= cold_gets - 3  # 2 of the 4 packs of guest memory stay in the store
     # an image without kept hashes (taken on this node): hashed, the same
     assert (await restore("bare", [LocalImage(files=i1)]))[0]["pages_fetched"] == 11
+    # an image deleted meanwhile is no source, and no failure
+    assert (await restore("gone", [LocalImage(files=tmp_path / "gone-image")]))[0][
+        "pages_local"
+    ] == 0
     # a torn local copy: its bad pages are fetched instead
     with (tmp_path / "r1" / "image" / "pages.img").open("r+b") as f:
         f.seek(100 * 4096)

@@ -281,9 +281,15 @@ async def _fill_paged(
     packs of the others download; a copy that fails its check is fetched after."""
 
     def offered() -> tuple[list[Path], dict[bytes, tuple[int, int]]]:
-        found = [(p, h) for p, h in sources if p.is_file()]
-        hashes = [page_hashes_of(p, h) for p, h in found]
-        return [p for p, _h in found], pagemap.local_offers(hashes)
+        files: list[Path] = []
+        hashes: list[bytes] = []
+        for p, h in sources:
+            try:
+                hashes.append(page_hashes_of(p, h))
+            except OSError:
+                continue  # gone (deleted meanwhile) or unreadable: not a source
+            files.append(p)
+        return files, pagemap.local_offers(hashes)
 
     files, offers = await trio.to_thread.run_sync(offered, limiter=io) if sources else ([], {})
     plan = pagemap.restore_plan(pmap, offers)
