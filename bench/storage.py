@@ -16,12 +16,18 @@ One run starts moto's S3 server on loopback (tests/s3.py) and measures:
   saw it: layers and image come from S3 first). The snapshot is taken on a
   first node (a busybox sandbox with a running process and `--data-mb` MiB
   of random file data), waited for until durable, then that node stops;
-  each cold sample starts a node with a fresh private home (not timed).
+  each cold sample starts a node with a fresh private home (not timed), so
+  it is also that node's first create; cold_serving is a cold restore (of a
+  snapshot of another sandbox like it) on that node after it served the
+  cold and warm samples: the store's part alone; cold_next restores the
+  second snapshot of the first sandbox there, most of whose memory pages
+  the node has in the first one's image (copied, not fetched).
   Cold is measured twice: with the snapshot's layers served on demand (the
   default) and downloaded whole first (`AENV_LAZY_RESTORE=0`, cold_eager).
 
 It prints p50/p95 and writes JSON to bench/results/storage-<timestamp>.json.
-Nodes use their own netns prefix and slot range, are stopped with SIGTERM,
+Nodes use their own netns prefix and slot range (AENV_BENCH_NET_PREFIX,
+AENV_BENCH_SLOT_CIDR to run beside another benchmark), are stopped with SIGTERM,
 and temp homes are removed, also when a step fails. Needs root, runsc and
 AENV_TEST_HOME (or --home) built by `make test` for the node part.
 
@@ -36,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import statistics
@@ -62,8 +69,8 @@ from aenv.storage.snapstore import (  # noqa: E402
 from tests.conftest import NodeProc, leaks, link_home, start_node, stop_node  # noqa: E402
 from tests.s3 import MotoS3  # noqa: E402
 
-NET_PREFIX = "aenvq"
-SLOT_CIDR = "10.229.0.0/16"
+NET_PREFIX = os.environ.get("AENV_BENCH_NET_PREFIX", "aenvq")
+SLOT_CIDR = os.environ.get("AENV_BENCH_SLOT_CIDR", "10.229.0.0/16")
 RESULTS = REPO / "bench" / "results"
 MiB = 1 << 20
 
@@ -158,6 +165,10 @@ def _node(
         "AENV_NET_PREFIX": NET_PREFIX,
         "AENV_SLOT_CIDR": SLOT_CIDR,
         "AENV_STORE_URL": s3.url(prefix),
+        # not the default templates' share at start: seconds of hashing `base`'s
+        # root on the node's CPUs while the cold sample runs, a one-off of a new
+        # node that a resume on a node already up never meets
+        "AENV_SHARE_DEFAULT_TEMPLATES": "off",
         **s3.env(),
         **extra,
     }
@@ -172,16 +183,40 @@ def _stop(node: NodeProc) -> None:
     shutil.rmtree(node.home, ignore_errors=True)
 
 
-def _resume_once(snapshot_id: str) -> float:
+def _resume_once(snapshot_id: str, parts: dict[str, list[float]] | None = None) -> float:
     from e2b import Sandbox
 
     t0 = time.perf_counter()
     s = Sandbox.create(snapshot_id, timeout=120)
+    t1 = time.perf_counter()
     try:
         s.commands.run("true")
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
     finally:
         s.kill()
+    if parts is not None:
+        parts.setdefault("create", []).append(t1 - t0)
+        parts.setdefault("first_command", []).append(t2 - t1)
+    return t2 - t0
+
+
+_PHASE = re.compile(r"in ([0-9.]+)s(?: \(([^)]*)\))?")
+
+
+def _store_phases(node: NodeProc, snapshot_id: str, parts: dict[str, list[float]]) -> None:
+    """Add the node's own account of a cold restore (its log) to `parts`: the
+    manifest lookup, then the restore from the store and its phases."""
+    for line in node.log_path.read_text(errors="replace").splitlines():
+        for marker, name in (("found snapshot", "manifest"), ("restored snapshot", "restore")):
+            if f"{marker} {snapshot_id}" not in line or "object store" not in line:
+                continue
+            hit = _PHASE.search(line)
+            if hit is None:
+                continue
+            parts.setdefault(name, []).append(float(hit.group(1)))
+            words = (hit.group(2) or "").split()
+            for k, v in zip(words[::2], words[1::2], strict=False):
+                parts.setdefault(f"{name}.{k}", []).append(float(v))
 
 
 def _durable_snapshot(node: NodeProc, key: str, sandbox_id: str) -> tuple[float, dict[str, Any]]:
@@ -199,7 +234,9 @@ def _durable_snapshot(node: NodeProc, key: str, sandbox_id: str) -> tuple[float,
     return took, httpx.get(f"{node.url}/snapshots/{sid}", headers={"X-API-Key": key}).json()
 
 
-def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[str, Any]:
+def resume(
+    built: Path, s3: MotoS3, work: Path, n: int, data_mb: int, *, skip_eager: bool = False
+) -> dict[str, Any]:
     from e2b import Sandbox
 
     prefix = f"resume/{secrets.token_hex(4)}"
@@ -217,6 +254,15 @@ def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[st
         # a later snapshot of the same sandbox: only what changed goes up (pages, files)
         s.commands.run(f"head -c {MiB} /dev/urandom > $HOME/more.bin")
         second_wait, detail2 = _durable_snapshot(node, key, s.sandbox_id)
+        sid2 = detail2["snapshotID"]
+        s.kill()
+        # another sandbox like it, for cold restores on a node that is already serving
+        s = Sandbox.create("busybox", timeout=300)
+        s.commands.run(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done", background=True
+        )
+        s.commands.run(f"head -c {data_mb * MiB} /dev/urandom > $HOME/data.bin")
+        other = _durable_snapshot(node, key, s.sandbox_id)[1]["snapshotID"]
         s.kill()
     finally:
         env.restore()
@@ -224,15 +270,29 @@ def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[st
     cold: list[float] = []
     eager: list[float] = []
     warm: list[float] = []
+    serving: list[float] = []
+    following: list[float] = []
+    next_parts: dict[str, list[float]] = {}
+    cold_parts: dict[str, list[float]] = {}
+    warm_parts: dict[str, list[float]] = {}
+    serving_parts: dict[str, list[float]] = {}
     for i in range(n):
         node = _node(built, work, f"cold{i}", s3, prefix, key)
         env = Env(node)
         try:
-            cold.append(_resume_once(sid))
-            warm.append(_resume_once(sid))
+            cold.append(_resume_once(sid, cold_parts))
+            warm.append(_resume_once(sid, warm_parts))
+            serving.append(_resume_once(other, serving_parts))
+            # the later snapshot of the first sandbox: most of its pages are local now
+            following.append(_resume_once(sid2, next_parts))
+            _store_phases(node, sid, cold_parts)
+            _store_phases(node, other, serving_parts)
+            _store_phases(node, sid2, next_parts)
         finally:
             env.restore()
             _stop(node)
+        if skip_eager:
+            continue
         node = _node(built, work, f"eager{i}", s3, prefix, key, AENV_LAZY_RESTORE="0")
         env = Env(node)
         try:
@@ -248,6 +308,12 @@ def resume(built: Path, s3: MotoS3, work: Path, n: int, data_mb: int) -> dict[st
         "cold_s": stats(cold),
         "cold_eager_s": stats(eager),
         "warm_s": stats(warm),
+        "cold_serving_s": stats(serving),
+        "cold_next_s": stats(following),
+        "cold_parts_s": {k: stats(v) for k, v in cold_parts.items()},
+        "warm_parts_s": {k: stats(v) for k, v in warm_parts.items()},
+        "cold_serving_parts_s": {k: stats(v) for k, v in serving_parts.items()},
+        "cold_next_parts_s": {k: stats(v) for k, v in next_parts.items()},
     }
 
 
@@ -258,6 +324,8 @@ def main() -> None:
     ap.add_argument("--data-mb", type=int, default=16, help="MiB of file data in the sandbox")
     ap.add_argument("--home", type=Path, default=os.environ.get("AENV_TEST_HOME"))
     ap.add_argument("--skip-nodes", action="store_true", help="throughput only")
+    ap.add_argument("--skip-throughput", action="store_true", help="resume only")
+    ap.add_argument("--skip-eager", action="store_true", help="no cold_eager samples")
     args = ap.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
     s3 = MotoS3(bucket="aenv-bench")
@@ -265,15 +333,18 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-storage-"))
     out: dict[str, Any] = {"when": datetime.datetime.now(datetime.UTC).isoformat()}
     try:
-        out["throughput"] = trio.run(throughput, s3, work, args.mb, args.n)
-        tp = out["throughput"]
-        print(
-            f"store throughput ({tp['size_mib']} MiB snapshot, moto on loopback): "
-            f"upload p50 {tp['upload_mib_s']['p50']:.1f} MiB/s, "
-            f"download p50 {tp['download_mib_s']['p50']:.1f} MiB/s"
-        )
+        if not args.skip_throughput:
+            out["throughput"] = trio.run(throughput, s3, work, args.mb, args.n)
+            tp = out["throughput"]
+            print(
+                f"store throughput ({tp['size_mib']} MiB snapshot, moto on loopback): "
+                f"upload p50 {tp['upload_mib_s']['p50']:.1f} MiB/s, "
+                f"download p50 {tp['download_mib_s']['p50']:.1f} MiB/s"
+            )
         if not args.skip_nodes and args.home:
-            out["resume"] = resume(Path(args.home), s3, work, args.n, args.data_mb)
+            out["resume"] = resume(
+                Path(args.home), s3, work, args.n, args.data_mb, skip_eager=args.skip_eager
+            )
             rs = out["resume"]
             print(
                 f"snapshot with {args.data_mb} MiB of data durable in {rs['snapshot_durable_s']}s "
@@ -286,9 +357,16 @@ def main() -> None:
                 f"({up2.get('imageBytes')} of memory: {up2.get('reusedPages')} of "
                 f"{up2.get('imagePages')} pages already stored)"
             )
-            for kind in ("cold", "cold_eager", "warm"):
+            for kind in ("cold", "cold_eager", "cold_serving", "cold_next", "warm"):
                 st = rs[f"{kind}_s"]
-                print(f"resume {kind}: p50 {st['p50']:.3f}s p95 {st['p95']:.3f}s (n={st['n']})")
+                if st["n"]:
+                    print(f"resume {kind}: p50 {st['p50']:.3f}s p95 {st['p95']:.3f}s (n={st['n']})")
+            for kind in ("cold", "cold_serving", "cold_next", "warm"):
+                parts = ", ".join(
+                    f"{k} {st['p50']:.0f}" if "pages" in k else f"{k} {st['p50']:.3f}"
+                    for k, st in rs[f"{kind}_parts_s"].items()
+                )
+                print(f"  {kind} p50 by part (s): {parts}")
     finally:
         s3.stop()
         shutil.rmtree(work, ignore_errors=True)

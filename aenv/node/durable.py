@@ -86,6 +86,7 @@ from aenv.storage.sharedtemplates import (
 )
 from aenv.storage.snapstore import (
     GcReport,
+    LocalImage,
     LocalLayer,
     Manifest,
     SnapshotUnavailable,
@@ -116,6 +117,7 @@ def image_record_key(key: str) -> str:
 
 
 UPLOAD_CONCURRENCY = 2  # snapshots uploading at once
+LOCAL_IMAGE_SOURCES = 2  # local memory images a restore looks for its pages in
 LAZY_KEY_PREFIX = "layer-"  # image mount directories of layers served on demand
 RETRY_BASE_S = 0.5
 RETRY_MAX_S = 10.0
@@ -471,6 +473,7 @@ class Durable:
                 return None  # a template of that name wins
             except (TemplateNotFound, InvalidName):
                 pass
+        t0 = trio.current_time()
         try:
             m = await fetch_manifest(self.store, name_or_id, by_id=by_id)
             if m is None and by_id:
@@ -484,6 +487,11 @@ class Durable:
             raise CorruptSnapshot(str(exc)) from None
         if m is None:
             return None
+        log.info(
+            "found snapshot %s in the object store in %.3fs",
+            m.snapshot_id,
+            trio.current_time() - t0,
+        )
         self._found[m.snapshot_id] = m
         return {
             **m.record,
@@ -493,12 +501,21 @@ class Durable:
             "storage": "durable",
         }
 
-    async def ensure_local(self, doc: dict[str, Any], template: Template) -> dict[str, Any]:
+    async def ensure_local(
+        self, doc: dict[str, Any], template: Template, *, torn: bool = False
+    ) -> dict[str, Any]:
         """`doc` if its layers and image are all on disk, else a restored copy of it
-        (a new record, whose memory image was verified as it came from the store)."""
+        (a new record, whose memory image was verified as it came from the store).
+
+        With `torn` (its image on disk failed its checksums) a durable snapshot's
+        image is fetched again: a restore does not flush the image it writes (a
+        cache of the store, checked once per node process before it is used), so
+        a crash may leave it torn."""
         snap_id = str(doc["snapshotID"])
         snapshots, layers = self._snapshots, self._layers
         gaps = await trio.to_thread.run_sync(snapshots.local_gaps, doc, layers.layers_dir)
+        if torn:
+            gaps.append("an intact memory image")
         if not gaps:
             return doc
         if self.store is None:
@@ -506,8 +523,12 @@ class Durable:
         lock = self._restoring.setdefault(snap_id, trio.Lock())
         async with lock:
             local = await self._meta.run(self._meta.store.get_snapshot, snap_id)
-            if local is not None and not await trio.to_thread.run_sync(
-                snapshots.local_gaps, local, layers.layers_dir
+            if (
+                not torn
+                and local is not None
+                and not await trio.to_thread.run_sync(
+                    snapshots.local_gaps, local, layers.layers_dir
+                )
             ):
                 return local  # restored by a concurrent create
             try:
@@ -533,6 +554,7 @@ class Durable:
         lazy: list[StoredLayer] = []
         image_dir: Path | None = None
         start = trio.current_time()
+        took: dict[str, float] = {}  # seconds per phase, for the log
         store = self.store
         try:
             for sl in m.layers:
@@ -548,13 +570,30 @@ class Durable:
                 await trio.to_thread.run_sync(image_dir.mkdir)
 
             async def image(into: Path) -> None:
-                sums.update(await download_image(store, m, into))
+                local = await self._local_images(m)
+                t0 = trio.current_time()
+                # not flushed: a crash that tears it is caught by the checksums
+                # (`ensure_local(torn=True)` fetches it again)
+                sums.update(
+                    await download_image(
+                        store,
+                        m,
+                        into,
+                        sync=False,
+                        local=local,
+                        keep_hashes=into.parent / "hashes",
+                        timings=took,
+                    )
+                )
+                took["image"] = trio.current_time() - t0
 
             served: list[tuple[StoredLayer, bytes, LayerIndex, Path]] = []
 
             async def serve(sl: StoredLayer) -> None:
+                t0 = trio.current_time()
                 raw, index = await fetch_layer_index(store, m.snapshot_id, sl)
                 served.append((sl, raw, index, await self._serve_lazy(sl.id, sl.index, raw, index)))
+                took["layers"] = max(took.get("layers", 0.0), trio.current_time() - t0)
 
             # every missing layer (or its index, to serve it on demand) and the memory
             # image at once
@@ -599,11 +638,36 @@ class Durable:
                     await trio.to_thread.run_sync(_remove, image_dir)
             raise
         log.info(
-            "restored snapshot %s from the object store in %.2fs",
+            "restored snapshot %s from the object store in %.3fs (%s)",
             m.snapshot_id,
             trio.current_time() - start,
+            " ".join(
+                f"{k} {v:.0f}" if k.startswith("pages") else f"{k} {v:.3f}" for k, v in took.items()
+            ),
         )
         return doc
+
+    async def _local_images(self, m: Manifest) -> list[LocalImage]:
+        """The memory images on this node a restore of `m` may take pages from:
+        of snapshots of the same template with layers in common (an earlier
+        snapshot of the same sandbox, or of its fork parent), most in common
+        and newest first."""
+        docs = await self._snapshots.of_template(str(m.record.get("templateID")))
+        mine = {sl.id for sl in m.layers}
+        ranked = sorted(
+            (
+                (len(mine.intersection(d.get("layers") or ())), float(d.get("createdAt") or 0), d)
+                for d in docs
+                if d.get("image") and d.get("snapshotID") != m.snapshot_id
+            ),
+            key=lambda t: (t[0], t[1]),
+            reverse=True,
+        )
+        return [
+            LocalImage(files=Path(d["image"]), hashes=Path(d["image"]).parent / "hashes")
+            for common, _t, d in ranked[:LOCAL_IMAGE_SOURCES]
+            if common > 0
+        ]
 
     # -- layers served on demand ---------------------------------------------------------
 

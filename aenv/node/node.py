@@ -929,7 +929,14 @@ class Node:
         if doc.get("image") is not None and snapshot_id in self._verified:
             image: Path | None = Path(doc["image"])  # immutable, checked once per process
         else:
-            image = await self.snapshots.verified_image(doc)
+            try:
+                image = await self.snapshots.verified_image(doc)
+            except CorruptSnapshot:
+                if doc.get("storage") != "durable" or self.durable.store is None:
+                    raise
+                # a copy from the store (not flushed) torn by a crash: fetch it again
+                doc = await self.durable.ensure_local(doc, template, torn=True)
+                image = Path(doc["image"])
             self._verified.add(snapshot_id)
         layers = doc.get("layers") or []
         stack = self.layers.chain(layers[0]) if layers else LayerStack.of_base([template.rootfs])

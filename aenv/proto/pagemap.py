@@ -15,6 +15,11 @@ file order (a page repeated within the file is packed once), and declines a
 stored pack the file would use for less than 1/SPARSE_REUSE of its pages,
 so a restore never downloads a pack mostly for pages it does not need.
 
+`restore_plan` is the restore's decision: pages a local file already holds
+(found by hash through `local_offers`: an earlier snapshot of the same
+sandbox on this node) are copied from it, and only the packs holding the
+other pages are fetched, in the order of the file's first page from each.
+
 The encoded map (`encode` / `decode`) is binary:
 
     b"AENVPM1\\0", u64 size, u32 pages, u32 packs     (little-endian)
@@ -222,6 +227,55 @@ def plan(size: int, hashes: bytes, known: Mapping[bytes, tuple[Pack, int]]) -> P
     )
 
 
+@dataclass(frozen=True)
+class RestorePlan:
+    """How to rebuild one file from its map: some pages copied from local files
+    (`local`: page, source, page in the source), the rest from their packs
+    (`packs`: pack index and the (page, slot) pairs it gives, in the order of
+    the file's first page from each pack, the order a runtime reads the file)."""
+
+    local: tuple[tuple[int, int, int], ...]
+    packs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+
+    @property
+    def fetched_pages(self) -> int:
+        return sum(len(pairs) for _p, pairs in self.packs)
+
+
+def local_offers(sources: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
+    """Page hash -> (source, page) for the page hashes of local files (`sources`,
+    HASH_BYTES per page each); the first offer of a hash wins."""
+    out: dict[bytes, tuple[int, int]] = {}
+    for k, hashes in enumerate(sources):
+        for i in range(len(hashes) // HASH_BYTES):
+            out.setdefault(hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES], (k, i))
+    return out
+
+
+def restore_plan(
+    m: PageMap,
+    offers: Mapping[bytes, tuple[int, int]],
+    *,
+    fetch: frozenset[int] = frozenset(),
+) -> RestorePlan:
+    """Which pages of `m` come from local files and which packs must be fetched:
+    a page a local file offers (same hash) is copied unless it is in `fetch`
+    (a copy that turned out not to match); a pack is fetched only for the
+    pages nothing local offers, and writes only those."""
+    local: list[tuple[int, int, int]] = []
+    packs: dict[int, list[tuple[int, int]]] = {}
+    for i in range(m.pages):
+        hit = None if i in fetch else offers.get(m.page_hash(i))
+        if hit is not None:
+            local.append((i, *hit))
+            continue
+        p, slot = m.ref(i)
+        packs.setdefault(p, []).append((i, slot))
+    return RestorePlan(
+        local=tuple(local), packs=tuple((p, tuple(pairs)) for p, pairs in packs.items())
+    )
+
+
 def known_from(
     maps: Sequence[PageMap], *, missing: frozenset[str] = frozenset()
 ) -> dict[bytes, tuple[Pack, int]]:
@@ -243,9 +297,12 @@ __all__ = [
     "Pack",
     "PageMap",
     "Plan",
+    "RestorePlan",
     "decode",
     "encode",
     "known_from",
+    "local_offers",
     "pages_of",
     "plan",
+    "restore_plan",
 ]

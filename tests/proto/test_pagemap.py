@@ -21,11 +21,14 @@ from aenv.proto.pagemap import (
     BadPageMap,
     Pack,
     PageMap,
+    RestorePlan,
     decode,
     encode,
     known_from,
+    local_offers,
     pages_of,
     plan,
+    restore_plan,
 )
 
 
@@ -177,3 +180,51 @@ def test_garbage_is_not_a_map() -> None:
     for raw in (b"", b"AENVPM1\0", b"{}", SAMPLE[:-1], SAMPLE + b"\0"):
         with pytest.raises(BadPageMap):
             decode(raw)
+
+
+def _rebuild(
+    m: PageMap, store: Store, locals_: list[bytes], fetch: frozenset[int] = frozenset()
+) -> tuple[bytes, RestorePlan]:
+    """What a restore following `restore_plan` writes, and the packs it fetched."""
+    rp = restore_plan(m, local_offers([_hashes(x) for x in locals_]), fetch=fetch)
+    out = bytearray(m.size)
+    for page, src, at in rp.local:
+        n = m.page_len(page)
+        out[page * PAGE_SIZE : page * PAGE_SIZE + n] = locals_[src][at * PAGE_SIZE :][:n]
+    for p, pairs in rp.packs:
+        for page, slot in pairs:
+            n = m.page_len(page)
+            out[page * PAGE_SIZE : page * PAGE_SIZE + n] = store.packs[m.packs[p].digest][slot][:n]
+    return bytes(out), rp
+
+
+def test_a_restore_copies_the_pages_a_local_image_holds_and_fetches_only_the_rest() -> None:
+    store = Store()
+    pages = _pages(3 * PACK_PAGES)
+    first, _ = store.save(b"".join(pages), {})
+    # later: 10 pages of the second pack changed, 5 inserted at the front (moving the rest)
+    pages[300:310] = _pages(10)
+    pages[0:0] = _pages(5)
+    data = b"".join(pages) + b"tail"
+    m, _ = store.save(data, known_from([first]))
+    old = store.load(first)
+    got, rp = _rebuild(m, store, [old])
+    assert got == data
+    assert rp.fetched_pages == 16  # the changed and inserted pages, and the short tail
+    assert len(rp.local) == m.pages - 16
+    # only packs that hold a page nothing local has are fetched, first page first
+    firsts = [min(page for page, _slot in pairs) for _p, pairs in rp.packs]
+    assert firsts == sorted(firsts)
+    assert {m.packs[p].digest for p, _ in rp.packs} < {pk.digest for pk in m.packs}
+    # with nothing local, every page comes from its pack
+    got, rp = _rebuild(m, store, [])
+    assert got == data and rp.fetched_pages == m.pages and not rp.local
+
+
+def test_pages_a_local_copy_got_wrong_are_fetched_instead() -> None:
+    store = Store()
+    pages = _pages(PACK_PAGES + 3)
+    m, _ = store.save(b"".join(pages), {})
+    got, rp = _rebuild(m, store, [store.load(m)], fetch=frozenset({2, PACK_PAGES + 1}))
+    assert got == store.load(m)
+    assert sorted(page for _p, pairs in rp.packs for page, _slot in pairs) == [2, PACK_PAGES + 1]

@@ -12,6 +12,7 @@ must never remove a blob a manifest references.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import secrets
@@ -33,6 +34,7 @@ from aenv.storage.objstore import (
     open_object_store,
 )
 from aenv.storage.snapstore import (
+    LocalImage,
     LocalLayer,
     SnapshotUnavailable,
     collect_garbage,
@@ -446,8 +448,8 @@ async def test_a_later_image_stores_only_the_pages_that_changed(
     # the first snapshot deleted and collected: the second keeps every page it uses
     await delete_snapshot(backend.store, "snap-1", None)
     await collect_garbage(backend.store, grace_s=0)
-    got = await download_image(backend.store, m, tmp_path / "back2")
-    assert got == _sums(image)
+    got = await download_image(backend.store, m, tmp_path / "back2", sync=False)
+    assert got == _sums(image) == _sums(tmp_path / "back2")
 
 
 async def test_a_base_whose_packs_are_gone_is_stored_afresh(
@@ -485,6 +487,84 @@ async def test_a_corrupt_pack_or_map_fails_naming_it(backend: Backend, tmp_path:
     backend.tamper(blob_key(f.pagemap), b"garbage")
     with pytest.raises(SnapshotUnavailable, match=rf"snap-p.*{blob_key(f.pagemap)}.*corrupt"):
         await download_image(backend.store, m, tmp_path / "b3")
+
+
+async def test_a_page_that_does_not_match_its_map_fails_naming_its_pack(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """Pages are checked against the map's hashes as they are written (the file is
+    not read back): a map whose hash of one page lies (a well-formed blob of its
+    own, so its digest checks out) fails the download, naming the pack."""
+    from aenv.proto.pagemap import HASH_BYTES, PageMap
+    from aenv.storage.memimage import pack_map, unpack_map
+
+    image = _guest_image(tmp_path / "i", [os.urandom(4096) for _ in range(300)], b"s")
+    await _upload_image(backend, "snap-h", image)
+    m = await fetch_manifest(backend.store, "snap-h", by_id=True)
+    assert m is not None and m.image is not None
+    f = next(f for f in m.image if f.name == "pages.img")
+    assert f.pagemap is not None
+    pmap = unpack_map(await backend.store.get_blob(f.pagemap))
+    at = 270 * HASH_BYTES  # a page of the second pack
+    hashes = pmap.hashes[:at] + bytes(HASH_BYTES) + pmap.hashes[at + HASH_BYTES :]
+    lying = PageMap(size=pmap.size, packs=pmap.packs, hashes=hashes, refs=pmap.refs)
+    digest = await backend.store.put_blob(pack_map(lying))
+    files = tuple(dataclasses.replace(x, pagemap=digest) if x is f else x for x in m.image)
+    bad = dataclasses.replace(m, image=files)
+    pack = blob_key(pmap.packs[pmap.ref(270)[0]].digest)
+    with pytest.raises(SnapshotUnavailable, match=rf"snap-h.*{pack}.*page 270 does not match"):
+        await download_image(backend.store, bad, tmp_path / "back")
+    # the honest map still restores the same bytes
+    assert await download_image(backend.store, m, tmp_path / "ok") == _sums(tmp_path / "ok")
+
+
+async def test_pages_a_local_image_holds_are_copied_not_fetched(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """A node holding an earlier image of a sandbox fetches only the packs of the
+    pages that changed; a local copy that lies (torn) costs fetches, never bytes."""
+    pages = [os.urandom(4096) for _ in range(1024)]
+    i1 = _guest_image(tmp_path / "i1", pages, b"kernel state")
+    await _upload_image(backend, "snap-1", i1)
+    m1 = await fetch_manifest(backend.store, "snap-1", by_id=True)
+    assert m1 is not None
+    (tmp_path / "r1").mkdir()
+    await download_image(
+        backend.store, m1, tmp_path / "r1" / "image", keep_hashes=tmp_path / "r1" / "hashes"
+    )
+    assert (tmp_path / "r1" / "hashes" / "pages.img").stat().st_size == 1024 * 16
+    pages[500:510] = [os.urandom(4096) for _ in range(10)]
+    i2 = _guest_image(tmp_path / "i2", pages, b"kernel state 2")
+    await _upload_image(backend, "snap-2", i2, ("snap-1",))
+    m2 = await fetch_manifest(backend.store, "snap-2", by_id=True)
+    assert m2 is not None
+
+    async def restore(into: str, local: list[LocalImage]) -> tuple[dict[str, float], int]:
+        t: dict[str, float] = {}
+        before = backend.store.statistics().requests
+        got = await download_image(backend.store, m2, tmp_path / into, local=local, timings=t)
+        assert got == _sums(i2) == _sums(tmp_path / into)
+        return t, backend.store.statistics().requests - before
+
+    cold, cold_gets = await restore("cold", [])
+    assert cold["pages_local"] == 0 and cold["pages_fetched"] == 1024 + 1
+    # the image restored earlier, with the hashes kept beside it
+    near = LocalImage(files=tmp_path / "r1" / "image", hashes=tmp_path / "r1" / "hashes")
+    warm, warm_gets = await restore("near", [near])
+    assert warm["pages_fetched"] == 10 + 1  # the changed pages, the new state file
+    assert warm_gets <= cold_gets - 3  # 2 of the 4 packs of guest memory stay in the store
+    # an image without kept hashes (taken on this node): hashed, the same
+    assert (await restore("bare", [LocalImage(files=i1)]))[0]["pages_fetched"] == 11
+    # an image deleted meanwhile is no source, and no failure
+    assert (await restore("gone", [LocalImage(files=tmp_path / "gone-image")]))[0][
+        "pages_local"
+    ] == 0
+    # a torn local copy: its bad pages are fetched instead
+    with (tmp_path / "r1" / "image" / "pages.img").open("r+b") as f:
+        f.seek(100 * 4096)
+        f.write(bytes(3 * 4096))
+    torn, _ = await restore("torn", [near])
+    assert torn["pages_fetched"] == 11 + 3
 
 
 async def test_a_version_1_manifest_with_chunked_images_still_restores(

@@ -55,7 +55,12 @@ from aenv.storage.snapstore.manifest import (
     name_key,
     pending_key,
 )
-from aenv.storage.snapstore.restore import download_image, fetch_layer_index, materialise_layer
+from aenv.storage.snapstore.restore import (
+    LocalImage,
+    download_image,
+    fetch_layer_index,
+    materialise_layer,
+)
 from aenv.storage.snapstore.trees import index_layer
 from aenv.storage.snapstore.upload import LocalLayer, UploadReport, upload_snapshot
 
@@ -65,6 +70,7 @@ __all__ = [
     "BadManifest",
     "GcReport",
     "ImageFile",
+    "LocalImage",
     "LocalLayer",
     "Manifest",
     "SnapshotUnavailable",

@@ -3,16 +3,18 @@
 `fetch_layer_index` reads a stored layer's index, `materialise_layer`
 builds the layer's tree from it (chunks fetched in parallel), and
 `download_image` reassembles the memory image's files from their chunks
-(manifest version 1) or page packs (version 2) and checks each against its
-sha256. Every blob read is verified against its digest; a missing, corrupt
-or malformed object raises `SnapshotUnavailable` naming the snapshot and
-the object. Callers stage into temporary directories and rename last.
+(manifest version 1, each file then checked against its sha256) or page
+packs (version 2, each page checked against its hash as it is written).
+Every blob read is verified against its digest; a missing, corrupt or
+malformed object raises `SnapshotUnavailable` naming the snapshot and the
+object. Callers stage into temporary directories and rename last.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -21,7 +23,13 @@ from aenv.kit.errors import one_error
 from aenv.kit.files import fsync_tree
 from aenv.proto import pagemap
 from aenv.proto.layerindex import CHUNK_SIZE, BadIndex, Chunk, LayerIndex, loads
-from aenv.storage.memimage import BadPack, open_pack, unpack_map, write_pages
+from aenv.storage.memimage import (
+    BadPack,
+    copy_local_pages,
+    page_hashes_of,
+    place_pack,
+    unpack_map,
+)
 from aenv.storage.objstore import CorruptObject, ObjectNotFound, ObjectStore, blob_key
 from aenv.storage.snapstore.manifest import (
     ImageFile,
@@ -112,38 +120,110 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class LocalImage:
+    """A memory image already on this node whose pages a restore may copy rather
+    than fetch: its directory of files and, if kept, the directory holding the
+    page hashes of those files (one file of HASH_BYTES per page each, by name)."""
+
+    files: Path
+    hashes: Path | None = None
+
+
 async def download_image(
-    store: ObjectStore, m: Manifest, dest: Path, *, concurrency: int = 8
+    store: ObjectStore,
+    m: Manifest,
+    dest: Path,
+    *,
+    concurrency: int = 8,
+    sync: bool = True,
+    local: Sequence[LocalImage] = (),
+    keep_hashes: Path | None = None,
+    timings: dict[str, float] | None = None,
 ) -> dict[str, str]:
-    """Fetch the memory image into the new directory `dest`; returns its checksums."""
+    """Fetch the memory image into the new directory `dest`; returns its checksums.
+
+    A paged file (version 2) is checked page by page as its packs arrive (each
+    pack against its digest, each page against its hash in the page map, itself
+    fetched by digest), so it is not read back; its checksum is the manifest's.
+    Pages a `local` image holds (same file name, same page hash: an earlier
+    snapshot of the same sandbox, say) are copied from it, each checked
+    against its hash, and only the packs holding the other pages are
+    fetched. `keep_hashes` (a new directory) receives the page hashes of the
+    paged files, for later restores to find pages in this one without
+    reading it. A chunked file (version 1) is read back and checked against
+    its checksum.
+    With `sync` the files are flushed to disk before returning; a caller that
+    can fetch the image again when a crash tears the copy (the node's restores,
+    which check a snapshot's checksums once per process) passes False and keeps
+    the flush off the restore's critical path. `timings` receives seconds per
+    phase (maps, fetch, verify, fsync).
+    """
     assert m.image is not None
     io = trio.CapacityLimiter(2)
+    clock = _Phases(timings)
     await trio.to_thread.run_sync(dest.mkdir)
     pieces: list[tuple[Path, Chunk]] = []
-    paged: list[tuple[Path, pagemap.PageMap]] = []
-    for f in m.image:
+    maps: dict[str, pagemap.PageMap] = {}
+
+    async def prepare(f: ImageFile) -> None:
         path = dest / f.name
 
-        def create(path: Path = path, size: int = f.size) -> None:
+        def create() -> None:
             with path.open("wb") as out:
-                out.truncate(size)
+                out.truncate(f.size)
 
         await trio.to_thread.run_sync(create, limiter=io)
         if f.pagemap is not None:
-            paged.append((path, await _stored_map(store, m.snapshot_id, f)))
-            continue
+            maps[f.name] = await _stored_map(store, m.snapshot_id, f)
+
+    with one_error():
+        async with trio.open_nursery() as n:
+            for f in m.image:
+                n.start_soon(prepare, f)
+    for f in m.image:
         offset = 0
         for i, digest in enumerate(f.chunks):
             size = min(CHUNK_SIZE, f.size - i * CHUNK_SIZE)
-            pieces.append((path, Chunk(digest, size, offset)))
+            pieces.append((dest / f.name, Chunk(digest, size, offset)))
             offset += size
+    clock.lap("maps")
+    if keep_hashes is not None and maps:
+
+        def keep() -> None:
+            keep_hashes.mkdir()
+            for name, pmap in maps.items():
+                (keep_hashes / name).write_bytes(pmap.hashes)
+
+        await trio.to_thread.run_sync(keep, limiter=io)
+    counts = [0, 0]  # pages copied from local images, pages fetched
     with one_error():
         async with trio.open_nursery() as n:
             n.start_soon(_fill, store, m.snapshot_id, pieces, concurrency, io)
-            for path, pmap in paged:
-                n.start_soon(_fill_pages, store, m.snapshot_id, path, pmap, concurrency, io)
+            for name, pmap in maps.items():
+                sources = [
+                    (li.files / name, None if li.hashes is None else li.hashes / name)
+                    for li in local
+                ]
+                n.start_soon(
+                    _fill_paged,
+                    store,
+                    m.snapshot_id,
+                    dest / name,
+                    pmap,
+                    sources,
+                    counts,
+                    io,
+                    concurrency,
+                )
+    if timings is not None and maps:
+        timings["pages_local"], timings["pages_fetched"] = map(float, counts)
+    clock.lap("fetch")
     sums: dict[str, str] = {}
     for f in m.image:
+        if f.pagemap is not None:
+            sums[f.name] = f.sha256  # every page checked against the map as it came
+            continue
         actual = await trio.to_thread.run_sync(_file_sha256, dest / f.name, limiter=io)
         if actual != f.sha256:
             raise SnapshotUnavailable(
@@ -151,8 +231,23 @@ async def download_image(
                 "does not match its checksum"
             )
         sums[f.name] = actual
-    await trio.to_thread.run_sync(fsync_tree, dest, limiter=io)
+    clock.lap("verify")
+    if sync:
+        await trio.to_thread.run_sync(fsync_tree, dest, limiter=io)
+        clock.lap("fsync")
     return sums
+
+
+class _Phases:
+    def __init__(self, into: dict[str, float] | None) -> None:
+        self.into = into
+        self.t = trio.current_time()
+
+    def lap(self, name: str) -> None:
+        now = trio.current_time()
+        if self.into is not None:
+            self.into[name] = self.into.get(name, 0.0) + now - self.t
+        self.t = now
 
 
 async def _stored_map(store: ObjectStore, snapshot_id: str, f: ImageFile) -> pagemap.PageMap:
@@ -172,27 +267,83 @@ async def _stored_map(store: ObjectStore, snapshot_id: str, f: ImageFile) -> pag
     return pmap
 
 
+async def _fill_paged(
+    store: ObjectStore,
+    snapshot_id: str,
+    path: Path,
+    pmap: pagemap.PageMap,
+    sources: Sequence[tuple[Path, Path | None]],
+    counts: list[int],
+    io: trio.CapacityLimiter,
+    concurrency: int = 8,
+) -> None:
+    """Rebuild one paged file: pages local files offer are copied while the
+    packs of the others download; a copy that fails its check is fetched after."""
+
+    def offered() -> tuple[list[Path], dict[bytes, tuple[int, int]]]:
+        files: list[Path] = []
+        hashes: list[bytes] = []
+        for p, h in sources:
+            try:
+                hashes.append(page_hashes_of(p, h))
+            except OSError:
+                continue  # gone (deleted meanwhile) or unreadable: not a source
+            files.append(p)
+        return files, pagemap.local_offers(hashes)
+
+    files, offers = await trio.to_thread.run_sync(offered, limiter=io) if sources else ([], {})
+    plan = pagemap.restore_plan(pmap, offers)
+    bad: list[int] = []
+
+    async def copy() -> None:
+        bad.extend(
+            await trio.to_thread.run_sync(
+                copy_local_pages, path, pmap, plan.local, files, limiter=io
+            )
+        )
+
+    with one_error():
+        async with trio.open_nursery() as n:
+            if plan.local:
+                n.start_soon(copy)
+            n.start_soon(_fill_pages, store, snapshot_id, path, pmap, plan.packs, concurrency, io)
+    fetched = plan.fetched_pages
+    if bad:  # not what the map says (a torn local copy): from the store after all
+        again = pagemap.restore_plan(pmap, {}, fetch=frozenset(bad))
+        wanted = set(bad)
+        packs = [
+            (p, tuple(pair for pair in pairs if pair[0] in wanted)) for p, pairs in again.packs
+        ]
+        packs = [(p, pairs) for p, pairs in packs if pairs]
+        await _fill_pages(store, snapshot_id, path, pmap, packs, concurrency, io)
+        fetched += len(bad)
+    counts[0] += pmap.pages - fetched
+    counts[1] += fetched
+
+
 async def _fill_pages(
     store: ObjectStore,
     snapshot_id: str,
     path: Path,
     pmap: pagemap.PageMap,
+    packs: Sequence[tuple[int, Sequence[tuple[int, int]]]],
     concurrency: int,
     io: trio.CapacityLimiter,
 ) -> None:
     sem = trio.Semaphore(concurrency)
 
-    async def one(p: int, placements: list[tuple[int, int]]) -> None:
+    async def one(p: int, placements: Sequence[tuple[int, int]]) -> None:
         pack = pmap.packs[p]
         async with sem:
             data = await _blob(store, snapshot_id, pack.digest)
         try:
-            raw = await trio.to_thread.run_sync(open_pack, data, pack, limiter=io)
+            await trio.to_thread.run_sync(
+                place_pack, path, pmap, data, pack, placements, limiter=io
+            )
         except BadPack as exc:
             raise unavailable(snapshot_id, f"pack {blob_key(pack.digest)!r}", exc) from None
-        await trio.to_thread.run_sync(write_pages, path, pmap, raw, placements, limiter=io)
 
     with one_error():
         async with trio.open_nursery() as n:
-            for p, placements in pmap.placements().items():
+            for p, placements in packs:
                 n.start_soon(one, p, placements)
