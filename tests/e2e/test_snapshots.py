@@ -7,17 +7,33 @@ which the corruption test edits on purpose.
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
 
-from tests.conftest import NodeProc, requires_node
+from tests.conftest import (
+    NET_PREFIX,
+    NodeProc,
+    built_home,
+    link_home,
+    requires_node,
+    sdk_pointed_at,
+    start_node,
+    stop_node,
+)
 from tests.e2e.counter import COUNTER, counts_on
 
 pytestmark = [requires_node, pytest.mark.runsc]
+
+NO_STORE_CIDR = os.environ.get("AENV_TEST_NOSTORE_CIDR", "10.216.0.0/16")
 
 
 def test_snapshot_then_create_from_it_by_id_and_name(node: NodeProc) -> None:
@@ -72,21 +88,74 @@ def test_filesystem_snapshot_boots_fresh(node: NodeProc) -> None:
         src.kill()
 
 
-def test_corrupt_snapshot_is_refused(node: NodeProc) -> None:
+def _wait_durable(node: NodeProc, snapshot_id: str) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        r = httpx.get(f"{node.url}/snapshots/{snapshot_id}", headers={"X-API-Key": node.api_key})
+        assert r.status_code == 200, r.text
+        if r.json()["storage"] == "durable":
+            return
+        assert time.monotonic() < deadline, r.json()
+        time.sleep(0.2)
+
+
+def _corrupt_a_snapshot(node: NodeProc, *, stored: bool) -> str:
+    """A busybox snapshot whose local memory image has one byte flipped (once
+    it is in the node's store, if it has one)."""
     src = Sandbox.create("busybox")
     try:
         info = src.create_snapshot()
     finally:
         src.kill()
-    image = Path(node.home) / "snapshots" / info.snapshot_id / "image"
-    victim = next(p for p in image.iterdir() if p.is_file())
+    if stored:
+        _wait_durable(node, info.snapshot_id)
+    home = Path(node.home)
+    image = home / "snapshots" / info.snapshot_id / "image"
+    victim = next(p for p in sorted(image.iterdir()) if p.is_file())
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.unlink()  # the file is hard-linked: write a new one, never the shared inode
     victim.write_bytes(bytes(data))
-    with pytest.raises(SandboxException, match="checksum"):
-        Sandbox.create(info.snapshot_id)
-    assert Sandbox.delete_snapshot(info.snapshot_id)
+    return info.snapshot_id
+
+
+def test_a_corrupt_local_image_is_fetched_again_from_the_store(node: NodeProc) -> None:
+    """The node's store (the default one in its home) holds the snapshot: the
+    torn local copy is replaced by a checked one and the create works."""
+    snapshot_id = _corrupt_a_snapshot(node, stored=True)
+    s = Sandbox.create(snapshot_id)
+    try:
+        assert s.commands.run("echo whole").stdout.strip() == "whole"
+    finally:
+        s.kill()
+    assert Sandbox.delete_snapshot(snapshot_id)
+
+
+def test_a_corrupt_snapshot_without_a_store_is_refused(tmp_path: Path) -> None:
+    home = built_home()
+    assert home is not None
+    private = Path(tempfile.mkdtemp(prefix="aenv-test-nostore-"))
+    link_home(home, private)
+    n = start_node(
+        private,
+        api_key="aenv_test_" + secrets.token_hex(8),
+        log_path=private / "node.log",
+        # a node of its own beside the session's: its own names and range
+        extra_env={
+            "AENV_STORE_URL": "none",
+            "AENV_NET_PREFIX": NET_PREFIX + "n",
+            "AENV_SLOT_CIDR": NO_STORE_CIDR,
+        },
+    )
+    try:
+        with sdk_pointed_at(n.url, n.api_key):
+            snapshot_id = _corrupt_a_snapshot(n, stored=False)
+            with pytest.raises(SandboxException, match=r"intact memory image|checksum"):
+                Sandbox.create(snapshot_id)
+            assert Sandbox.delete_snapshot(snapshot_id)
+    finally:
+        assert stop_node(n) == 0, n.log_tail()
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def test_pausing_a_sandbox_keeps_the_snapshot_it_came_from(node: NodeProc) -> None:
