@@ -90,8 +90,8 @@ class Config:
     # Sandboxes the node holds in memory at once (AENV_MAX_SANDBOXES): running,
     # or paused and not yet hibernated. Hibernated ones (paused, on disk) do not
     # count: they are bounded by disk. A create or a resume past it is refused
-    # (503, retry), as is one while the host is short of memory
-    # (`hibernate_memory_low_pct`) with nothing paused left to hibernate.
+    # (503, retry), as is one while the host is below half its hibernation
+    # mark (`hibernate_memory_low_pct`) with nothing paused left to hibernate.
     max_sandboxes: int = 1024
     default_cpu: int = 2
     default_memory_mb: int = 512

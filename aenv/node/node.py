@@ -785,19 +785,22 @@ class Node:
 
     def _check_capacity(self) -> None:
         """Room for one more sandbox in memory, or `Busy`: under the sandbox limit,
-        and the host not short of memory with nothing paused left to hibernate
-        (the pressure watcher frees memory by hibernating frozen sandboxes)."""
+        and the host not below half its hibernation mark with nothing paused
+        left to hibernate (the pressure watcher frees memory by hibernating
+        frozen sandboxes)."""
         if self.in_memory() >= self.config.max_sandboxes:
             raise Busy(
                 f"node (sandbox limit reached: {self.config.max_sandboxes} in memory)",
                 retry_after=5.0,
             )
-        low_pct = self.config.hibernate_memory_low_pct
+        # refused below half the hibernation mark: between the two, creates go on
+        # (the mark is where paused sandboxes go to disk, not where work stops)
+        refuse_pct = self.config.hibernate_memory_low_pct / 2
         if self.memory_seen is not None and not any(
             a.frozen_pause for a in self._sandboxes.values()
         ):
             available, total = self.memory_seen
-            if pressure.short(available, total, low_pct):
+            if pressure.short(available, total, refuse_pct):
                 raise Busy(
                     f"node (host memory low: {available >> 20} MiB available of "
                     f"{total >> 20} MiB, nothing paused to hibernate)",
