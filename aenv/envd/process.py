@@ -234,7 +234,7 @@ class ProcessService:
 
     # ------------------------------------------------------------ start
 
-    async def start(self, req: Message, ctx: CallContext, send: SendMessage) -> None:
+    async def start(self, req: Message, ctx: CallContext, send: SendMessage) -> Message | None:
         user = self._resolve_user(ctx)
         config = req.get("process") or PROCESS_CONFIG.default()
         cmd = config.get("cmd", "")
@@ -256,11 +256,13 @@ class ProcessService:
                 self._run, mp, argv, env, cwd, user, pty, stdin_enabled, deadline
             )
             await send({"event": {"start": {"pid": mp.pid}}})
-            await self._forward(receive, ctx, send)
+            return await self._forward(receive, ctx, send)
 
     async def _forward(
         self, receive: trio.MemoryReceiveChannel[Message], ctx: CallContext, send: SendMessage
-    ) -> None:
+    ) -> Message | None:
+        """Send the process's events as they come; the last, its `end`, is
+        returned, to go out with the end of the stream."""
         interval = DEFAULT_KEEPALIVE
         raw = ctx.header("keepalive-ping-interval")
         if raw and raw.strip().isdigit() and int(raw) > 0:
@@ -270,10 +272,12 @@ class ProcessService:
                 try:
                     event = await receive.receive()
                 except trio.EndOfChannel:
-                    return
+                    return None
             if idle.cancelled_caught:
                 await send({"event": {"keepalive": {}}})
                 continue
+            if "end" in event:
+                return {"event": event}
             await send({"event": event})
 
     async def _spawn(
@@ -506,12 +510,12 @@ class ProcessService:
 
     # ------------------------------------------------------- other calls
 
-    async def connect(self, req: Message, ctx: CallContext, send: SendMessage) -> None:
+    async def connect(self, req: Message, ctx: CallContext, send: SendMessage) -> Message | None:
         mp = self._find(req.get("process"), include_ended=True)
         receive = mp.subscribe()
         with receive:
             await send({"event": {"start": {"pid": mp.pid}}})
-            await self._forward(receive, ctx, send)
+            return await self._forward(receive, ctx, send)
 
     async def list(self, req: Message, ctx: CallContext) -> Message:
         return {"processes": [mp.info() for mp in self.live.values()]}

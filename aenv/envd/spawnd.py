@@ -6,7 +6,8 @@ heap, not envd's: forked from the full envd it cost ≈ 19 MiB more host
 memory per sandbox (CPython's reference counts and garbage collector write
 to every page of the parent's heap, each write copying a page the child
 shares). It serves one request at a time on a SOCK_SEQPACKET socket: a
-JSON request with three file descriptors (stdin, stdout, stderr), a JSON
+JSON request with three file descriptors (stdin, stdout, stderr; or two,
+stdin then /dev/null), a JSON
 reply (`pid`, or `errno` and `message` (with `cwd` when the working
 directory is missing), or `unavailable`), and for each child it started,
 once it has exited, `exit` and `returncode`.
@@ -47,12 +48,13 @@ from typing import Any
 # Processes (threads included) one user may run at once, unless /init says otherwise.
 DEFAULT_PROCESS_LIMIT = 1024
 MAX_MESSAGE = 1 << 20
-FDS = 3  # stdin, stdout, stderr
+FDS = 3  # stdin, stdout, stderr (without stdin: /dev/null, the spawner's own)
 
 
 def _serve(sock: socket.socket, limit: int) -> None:  # pragma: no cover (runs in the guest)
     """The spawner's loop: never returns."""
     held = [limit]
+    devnull = os.open(os.devnull, os.O_RDONLY)
     resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -81,7 +83,7 @@ def _serve(sock: socket.socket, limit: int) -> None:  # pragma: no cover (runs i
         if not data:  # envd is gone
             os._exit(0)
         try:
-            reply = _spawn(json.loads(data), fds, children, held)
+            reply = _spawn(json.loads(data), fds, children, held, devnull)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -100,8 +102,11 @@ def _spawn(
     fds: list[int],
     children: dict[int, subprocess.Popen[bytes]],
     held: list[int],
+    devnull: int,
 ) -> dict[str, Any]:  # pragma: no cover (runs in the guest)
-    if len(fds) != FDS:
+    if len(fds) == FDS - 1:
+        fds = [devnull, *fds]
+    elif len(fds) != FDS:
         return {"unavailable": "file descriptors"}
     if req["limit"] != held[0]:
         if req["limit"] > held[0]:  # (raising it back would need CAP_SYS_RESOURCE)

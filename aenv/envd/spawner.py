@@ -229,18 +229,16 @@ class SpawnerClient:
         ours: list[int] = []
         theirs: list[int] = []
         try:
+            # (os.pipe's ends are not inheritable; without stdin, the spawner's
+            # own /dev/null is the child's: two file descriptors to send)
             if stdin_enabled:
                 r, w = os.pipe()
                 theirs.append(r)
                 ours.append(w)
-            else:
-                theirs.append(os.open(os.devnull, os.O_RDONLY))
             for _ in range(2):
                 r, w = os.pipe()
                 theirs.append(w)
                 ours.append(r)
-            for fd in ours:
-                os.set_inheritable(fd, False)
             # shielded, as trio.lowlevel.open_process is: once asked, the spawner
             # answers, and the answer is this request's (one at a time)
             sent, theirs = theirs, []
