@@ -22,6 +22,7 @@ import trio
 
 from aenv.envd.process import ProcessService
 from aenv.envd.spawner import (
+    Lost,
     MissingCwd,
     SpawnedProcess,
     SpawnerClient,
@@ -270,3 +271,20 @@ async def test_a_killed_spawner_is_replaced(spawner: SpawnerClient) -> None:
         os.kill(fresh[0], signal.SIGKILL)
         await trio.to_thread.run_sync(os.waitpid, fresh[0], 0)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_spawner_lost_before_it_answers_is_never_asked_again(
+    spawner: SpawnerClient,
+) -> None:
+    # (the process may have started: starting it once more could run it twice)
+    assert await (await spawn(spawner, "true")).wait() == 0
+    os.kill(spawner.pid, signal.SIGSTOP)  # holds the request unanswered ...
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_kill_soon, spawner.pid)
+        with pytest.raises(Lost), trio.fail_after(10):
+            await spawn(spawner, "true")  # ... until it is killed
+
+
+async def _kill_soon(pid: int) -> None:
+    await trio.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
