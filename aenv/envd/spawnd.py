@@ -172,24 +172,26 @@ class _NoSwitch(Exception):
 def _as_user(uid: int, gid: int, groups: list[int]) -> Iterator[None]:  # pragma: no cover
     """Run the block with real and effective uid, gid and groups the user's, the
     saved uid root's (to come back). Called as root, single-threaded."""
-    own = os.getgroups()
+    own = (os.getresuid(), os.getresgid(), os.getgroups())
     try:
         os.setgroups(groups)
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, 0)
     except OSError as e:
-        _restore(own)
+        _restore(*own)
         raise _NoSwitch(e) from None
     try:
         yield
     finally:
-        _restore(own)
+        _restore(*own)
 
 
-def _restore(groups: list[int]) -> None:  # pragma: no cover (runs in the guest)
+def _restore(  # pragma: no cover (runs in the guest)
+    uids: tuple[int, int, int], gids: tuple[int, int, int], groups: list[int]
+) -> None:
     try:
-        os.setresuid(0, 0, 0)
-        os.setresgid(0, 0, 0)
+        os.setresuid(*uids)  # (first: setting gids and groups needs root's capabilities)
+        os.setresgid(*gids)
         os.setgroups(groups)
     except OSError as e:  # never serve another request with the wrong credentials
         print(f"aenv.envd.spawner: cannot restore credentials: {e!r}", file=sys.stderr, flush=True)
