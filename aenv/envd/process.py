@@ -300,13 +300,19 @@ class ProcessService:
         if os.getuid() == 0:
             common.update(user=user.uid, group=user.gid, extra_groups=groups)
         limit = self._state.process_limit
+        checked = False
+        if cwd not in (user.home, resolve_path("", user, self._state.default_workdir)):
+            # a cwd elsewhere may be on a volume mount that hangs: stat it in a worker
+            # thread here rather than let the spawner (which serves every spawn) hang
+            argv, checked = await _checked(argv, cwd), True
         if pty is None and self._spawner is not None and limit is not None:
             # the resident spawner holds the limit: no Python between fork and exec
             spawned = await self._via_spawner(argv, env, cwd, user, groups, limit, stdin_enabled)
             if spawned is not None:
                 mp.stdin = spawned.stdin
                 return spawned
-        argv = await _checked(argv, cwd)
+        if not checked:
+            argv = await _checked(argv, cwd)
         cap = None if limit is None else limit_processes(limit)
         if pty is not None:
             master, slave = os.openpty()
