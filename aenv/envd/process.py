@@ -34,6 +34,8 @@ from aenv.envd.guard import limit_processes
 from aenv.envd.rpc import CallContext, SendMessage
 from aenv.envd.spawner import (
     LimitTooHigh,
+    Lost,
+    MissingCwd,
     SpawnedProcess,
     SpawnerClient,
     Unavailable,
@@ -105,6 +107,23 @@ def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], N
         then()
 
     return run
+
+
+# what runs in place of a program that does not exist (as E2B's envd does)
+SHELL_FALLBACK = {"/bin/bash": "/bin/sh"}
+
+
+async def _checked(argv: list[str], cwd: str) -> list[str]:
+    """What the spawner checks, for a process envd starts itself: the cwd
+    exists (else `MissingCwd`), and argv with its fallback if argv[0] does not."""
+    cwd_ok, has_cmd = await trio.to_thread.run_sync(
+        lambda: (os.path.isdir(cwd), os.path.exists(argv[0]))
+    )
+    if not cwd_ok:
+        raise MissingCwd(cwd)
+    if argv[0] in SHELL_FALLBACK and not has_cmd:
+        return [SHELL_FALLBACK[argv[0]], *argv[1:]]
+    return argv
 
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:
@@ -218,7 +237,7 @@ class ProcessService:
 
     # ------------------------------------------------------------ start
 
-    async def start(self, req: Message, ctx: CallContext, send: SendMessage) -> None:
+    async def start(self, req: Message, ctx: CallContext, send: SendMessage) -> Message | None:
         user = self._resolve_user(ctx)
         config = req.get("process") or PROCESS_CONFIG.default()
         cmd = config.get("cmd", "")
@@ -228,13 +247,6 @@ class ProcessService:
             cwd = resolve_path(config.get("cwd", ""), user, self._state.default_workdir)
         except ValueError as e:
             raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
-        cwd_ok, has_cmd = await trio.to_thread.run_sync(
-            lambda: (os.path.isdir(cwd), os.path.exists(cmd))
-        )
-        if not cwd_ok:
-            raise ConnectError(Code.INVALID_ARGUMENT, f"cwd '{cwd}' does not exist")
-        if cmd == "/bin/bash" and not has_cmd:
-            cmd = "/bin/sh"
         argv = [cmd, *config.get("args", [])]
         env = process_env(user, self._state.env_vars, config.get("envs", {}))
         mp = ManagedProcess(config=config, tag=req.get("tag"))
@@ -247,11 +259,13 @@ class ProcessService:
                 self._run, mp, argv, env, cwd, user, pty, stdin_enabled, deadline
             )
             await send({"event": {"start": {"pid": mp.pid}}})
-            await self._forward(receive, ctx, send)
+            return await self._forward(receive, ctx, send)
 
     async def _forward(
         self, receive: trio.MemoryReceiveChannel[Message], ctx: CallContext, send: SendMessage
-    ) -> None:
+    ) -> Message | None:
+        """Send the process's events as they come; the last, its `end`, is
+        returned, to go out with the end of the stream."""
         interval = DEFAULT_KEEPALIVE
         raw = ctx.header("keepalive-ping-interval")
         if raw and raw.strip().isdigit() and int(raw) > 0:
@@ -261,10 +275,12 @@ class ProcessService:
                 try:
                     event = await receive.receive()
                 except trio.EndOfChannel:
-                    return
+                    return None
             if idle.cancelled_caught:
                 await send({"event": {"keepalive": {}}})
                 continue
+            if "end" in event:
+                return {"event": event}
             await send({"event": event})
 
     async def _spawn(
@@ -287,6 +303,19 @@ class ProcessService:
         if os.getuid() == 0:
             common.update(user=user.uid, group=user.gid, extra_groups=groups)
         limit = self._state.process_limit
+        checked = False
+        if cwd not in (user.home, resolve_path("", user, self._state.default_workdir)):
+            # a cwd elsewhere may be on a volume mount that hangs: stat it in a worker
+            # thread here rather than let the spawner (which serves every spawn) hang
+            argv, checked = await _checked(argv, cwd), True
+        if pty is None and self._spawner is not None and limit is not None:
+            # the resident spawner holds the limit: no Python between fork and exec
+            spawned = await self._via_spawner(argv, env, cwd, user, groups, limit, stdin_enabled)
+            if spawned is not None:
+                mp.stdin = spawned.stdin
+                return spawned
+        if not checked:
+            argv = await _checked(argv, cwd)
         cap = None if limit is None else limit_processes(limit)
         if pty is not None:
             master, slave = os.openpty()
@@ -312,12 +341,6 @@ class ProcessService:
             mp.master_fd = master
             mp.pty_stream = trio.lowlevel.FdStream(master)
             return proc
-        if self._spawner is not None and limit is not None:
-            # the resident spawner holds the limit: no Python between fork and exec
-            spawned = await self._via_spawner(argv, env, cwd, user, groups, limit, stdin_enabled)
-            if spawned is not None:
-                mp.stdin = spawned.stdin
-                return spawned
         proc = await trio.lowlevel.open_process(
             argv,
             stdin=subprocess.PIPE if stdin_enabled else subprocess.DEVNULL,
@@ -344,10 +367,15 @@ class ProcessService:
         stdin_enabled: bool,
     ) -> SpawnedProcess | None:
         """The process started by the spawner, or None: spawn it in envd."""
-        for _ in range(2):
+        for _ in range(3):
             spawner = self._spawner
             if spawner is None:
                 return None
+            if not spawner.alive:
+                # (killed: a user may, while it holds the user's credentials)
+                if not self._replace_spawner(spawner, limit):
+                    return None
+                continue
             try:
                 return await spawner.spawn(
                     argv,
@@ -358,22 +386,31 @@ class ProcessService:
                     groups=groups,
                     limit=limit,
                     stdin_enabled=stdin_enabled,
+                    fallback=SHELL_FALLBACK.get(argv[0]),
                 )
             except LimitTooHigh:
                 # (a memory image of a smaller sandbox): a new spawner at this limit
-                if spawner is self._spawner:
-                    self._spawner = None
-                    spawner.retire()
-                    try:
-                        fresh = SpawnerClient(*fork_spawner(limit))
-                    except OSError:
-                        log.exception("could not fork a new spawner")
-                        return None
-                    self._nursery.start_soon(fresh.run)
-                    self._spawner = fresh
+                if not self._replace_spawner(spawner, limit):
+                    return None
             except Unavailable:
                 return None
         return None
+
+    def _replace_spawner(self, spawner: SpawnerClient, limit: int) -> bool:
+        """Retire `spawner` for a new one (forked from envd) holding `limit`;
+        False if there is none now."""
+        if spawner is not self._spawner:  # (replaced meanwhile)
+            return self._spawner is not None
+        self._spawner = None
+        spawner.retire()
+        try:
+            fresh = SpawnerClient(*fork_spawner(limit))
+        except OSError:
+            log.exception("could not fork a new spawner")
+            return False
+        self._nursery.start_soon(fresh.run)
+        self._spawner = fresh
+        return True
 
     async def _run(
         self,
@@ -391,6 +428,10 @@ class ProcessService:
         self.spawning += 1
         try:
             proc = await self._spawn(mp, argv, env, cwd, user, pty, stdin_enabled)
+        except MissingCwd:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"cwd '{cwd}' does not exist") from None
+        except Lost as e:
+            raise ConnectError(Code.INTERNAL, f"error starting process: {e}") from None
         except OSError as e:
             raise ConnectError(
                 Code.INVALID_ARGUMENT,
@@ -482,12 +523,12 @@ class ProcessService:
 
     # ------------------------------------------------------- other calls
 
-    async def connect(self, req: Message, ctx: CallContext, send: SendMessage) -> None:
+    async def connect(self, req: Message, ctx: CallContext, send: SendMessage) -> Message | None:
         mp = self._find(req.get("process"), include_ended=True)
         receive = mp.subscribe()
         with receive:
             await send({"event": {"start": {"pid": mp.pid}}})
-            await self._forward(receive, ctx, send)
+            return await self._forward(receive, ctx, send)
 
     async def list(self, req: Message, ctx: CallContext) -> Message:
         return {"processes": [mp.info() for mp in self.live.values()]}

@@ -4,7 +4,10 @@ Unary calls accept application/proto and application/json; server- and
 client-streaming calls application/connect+proto and application/connect+json
 (5-byte envelopes, JSON end-of-stream). `Connect-Timeout-Ms` bounds each
 call; a client that disconnects cancels its server stream. Handlers raise
-`ConnectError` for RPC errors; anything else becomes `internal`.
+`ConnectError` for RPC errors; anything else becomes `internal`. A server
+stream's handler may return its last message rather than send it: it then
+goes out with the end of the stream in one write (for a command, its `end`
+event: one write less between a process's exit and the caller's answer).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class CallContext:
 
 SendMessage = Callable[[Message], Awaitable[None]]
 UnaryHandler = Callable[[Message, CallContext], Awaitable[Message]]
-ServerStreamHandler = Callable[[Message, CallContext, SendMessage], Awaitable[None]]
+ServerStreamHandler = Callable[[Message, CallContext, SendMessage], Awaitable[Message | None]]
 ClientStreamHandler = Callable[[AsyncIterator[Message], CallContext], Awaitable[Message]]
 Handler = UnaryHandler | ServerStreamHandler | ClientStreamHandler
 
@@ -230,6 +233,7 @@ class ConnectRouter:
             await response.write(connect.encode_envelope(_encode(method.response, codec, msg)))
 
         error: ConnectError | None = early
+        last = b""
         try:
             if error is None:
                 request_msg = await self._read_single_envelope(ctx)
@@ -240,6 +244,10 @@ class ConnectRouter:
                     return
                 if done is None:
                     error = ConnectError(Code.DEADLINE_EXCEEDED, "the operation timed out")
+                else:
+                    last = b"".join(
+                        connect.encode_envelope(_encode(method.response, codec, m)) for m in done
+                    )
         except ClientDisconnected:
             return
         except ConnectError as err:
@@ -249,16 +257,16 @@ class ConnectRouter:
             error = ConnectError(Code.INTERNAL, str(exc) or type(exc).__name__)
         await ensure_started()
         await response.write(
-            connect.encode_envelope(connect.end_stream_body(error), end_stream=True)
+            last + connect.encode_envelope(connect.end_stream_body(error), end_stream=True),
+            more=False,
         )
-        await response.end()
 
     @staticmethod
     async def _call_stream(
         handler: ServerStreamHandler, msg: Message, ctx: CallContext, send: SendMessage
-    ) -> bool:
-        await handler(msg, ctx, send)
-        return True
+    ) -> list[Message]:
+        last = await handler(msg, ctx, send)
+        return [] if last is None else [last]
 
     async def _client_stream(
         self,

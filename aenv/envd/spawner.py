@@ -21,12 +21,23 @@ pair; it answers with the pid or the spawn's error, and later with each
 child's exit status (it is their parent and waits for them). Orphans of
 those children are still handed to pid 1, envd, which collects them.
 
+A process of another user than root it starts with its own credentials
+switched to the user's for the spawn, so that it can vfork
+(`aenv.envd.spawnd`). It also checks the working directory (a missing
+one is `MissingCwd`) and takes `fallback` when argv[0] does not exist, so
+envd needs no stat of its own (in a worker thread) before a spawn.
+
 `SpawnerClient` is envd's side (trio). A lower limit (from `/init`) the
 spawner takes on for good; a higher one it cannot (`LimitTooHigh`), and
-envd forks a new spawner at that limit, retiring the old one. Whenever the
-spawner cannot serve a request otherwise (not started, the limit met by
-root's processes, gone), envd spawns the process itself as before; a
-process whose spawner is gone is waited for by envd, its new parent.
+envd forks a new spawner at that limit, retiring the old one; one that is
+gone (a user may SIGKILL it while it holds the user's credentials) envd
+replaces the same way. Whenever the spawner cannot serve a request otherwise
+(not started, the limit met by root's processes, gone before the request),
+envd spawns the process itself as before; a spawner gone after a request
+and before its answer is `Lost` (the process may have started: starting it
+again could run a command twice). A spawner that does not answer for
+`STALLED_S` is sent SIGCONT (a user may SIGSTOP it as well). A process
+whose spawner is gone is waited for by envd, its new parent.
 """
 
 from __future__ import annotations
@@ -44,9 +55,18 @@ import trio
 
 from aenv.envd.spawnd import MAX_MESSAGE, fork_spawner
 
-__all__ = ["LimitTooHigh", "SpawnedProcess", "SpawnerClient", "Unavailable", "fork_spawner"]
+__all__ = [
+    "LimitTooHigh",
+    "Lost",
+    "MissingCwd",
+    "SpawnedProcess",
+    "SpawnerClient",
+    "Unavailable",
+    "fork_spawner",
+]
 
 ORPHAN_POLL_S = 0.05
+STALLED_S = 1.0
 
 
 class Unavailable(Exception):
@@ -56,6 +76,15 @@ class Unavailable(Exception):
 class LimitTooHigh(Unavailable):
     """The request's limit is above the spawner's, which it cannot raise:
     a new spawner, forked with that limit, can serve it."""
+
+
+class Lost(Exception):
+    """The spawner went away between a request and its answer: whether the
+    process started is unknown."""
+
+
+class MissingCwd(Exception):
+    """The request's working directory does not exist (or is no directory)."""
 
 
 # -------------------------------------------------------- envd's side (trio)
@@ -154,10 +183,14 @@ class SpawnerClient:
                 finally:
                     for fd in fds:
                         os.close(fd)
-                try:
-                    return await receive.receive()
-                except trio.EndOfChannel:
-                    raise Unavailable("spawner gone") from None
+                while True:
+                    with trio.move_on_after(STALLED_S):
+                        try:
+                            return await receive.receive()
+                        except trio.EndOfChannel:
+                            raise Lost("the spawner went away while starting it") from None
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.pid, signal.SIGCONT)  # (stopped by a user?)
             finally:
                 self._reply = None
 
@@ -172,14 +205,17 @@ class SpawnerClient:
         groups: list[int],
         limit: int,
         stdin_enabled: bool,
+        fallback: str | None = None,
     ) -> SpawnedProcess:
-        """Start `argv` with pipes for stdout and stderr (and stdin, or /dev/null).
+        """Start `argv` (`fallback` in place of argv[0] if that does not exist)
+        with pipes for stdout and stderr (and stdin, or /dev/null).
 
-        Raises OSError for the spawn's own errors, `Unavailable` when envd
-        should spawn it itself."""
+        Raises OSError for the spawn's own errors (`MissingCwd` for a missing
+        `cwd`), `Unavailable` when envd should spawn it itself, `Lost` when
+        the spawner went before it answered."""
         if not self.alive or self._retired:
             raise Unavailable("spawner unavailable")
-        req = {
+        req: dict[str, Any] = {
             # (exact built-in types: what marshal carries)
             "argv": [str(a) for a in argv],
             "env": {str(k): str(v) for k, v in env.items()},
@@ -189,21 +225,21 @@ class SpawnerClient:
             "groups": [int(g) for g in groups],
             "limit": int(limit),
         }
+        if fallback is not None:
+            req["fallback"] = str(fallback)
         ours: list[int] = []
         theirs: list[int] = []
         try:
+            # (os.pipe's ends are not inheritable; without stdin, the spawner's
+            # own /dev/null is the child's: two file descriptors to send)
             if stdin_enabled:
                 r, w = os.pipe()
                 theirs.append(r)
                 ours.append(w)
-            else:
-                theirs.append(os.open(os.devnull, os.O_RDONLY))
             for _ in range(2):
                 r, w = os.pipe()
                 theirs.append(w)
                 ours.append(r)
-            for fd in ours:
-                os.set_inheritable(fd, False)
             # shielded, as trio.lowlevel.open_process is: once asked, the spawner
             # answers, and the answer is this request's (one at a time)
             sent, theirs = theirs, []
@@ -216,6 +252,8 @@ class SpawnerClient:
                 proc.stdin = streams.pop(0) if stdin_enabled else None
                 proc.stdout, proc.stderr = streams
                 return proc
+            if reply.get("cwd"):
+                raise MissingCwd(cwd)
             if "errno" in reply:
                 raise OSError(reply["errno"], reply["message"])
             if reply.get("unavailable") == "limit":

@@ -32,12 +32,28 @@ class User:
     shell: str
 
 
+# path -> (its stat's identity, its lines): a file is read again only once changed
+_parsed: dict[str, tuple[tuple[int, ...], list[list[str]]]] = {}
+
+
 def _read_lines(path: str) -> list[list[str]]:
+    """The colon-separated fields of each line of an account file (a stat per
+    call, every command starts with two lookups; read again once it changed)."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return [line.rstrip("\n").split(":") for line in f if line.strip() and line[0] != "#"]
+        st = os.stat(path)
     except OSError:
         return []
+    key = (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    cached = _parsed.get(path)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [line.rstrip("\n").split(":") for line in f if line.strip() and line[0] != "#"]
+    except OSError:
+        return []
+    _parsed[path] = (key, lines)
+    return lines
 
 
 def _passwd(root: str) -> list[User]:

@@ -52,6 +52,21 @@ def test_envs_and_cwd(sbx: Sandbox) -> None:
     assert r.stdout.strip() == "bar:/tmp"
 
 
+def test_a_users_process_has_the_users_ids_only_and_cwd_errors_stay(sbx: Sandbox) -> None:
+    # (the spawner switches its own credentials to the user's to vfork it)
+    status = sbx.commands.run("grep -E '^(Uid|Gid|Groups|CapPrm|CapEff):' /proc/self/status")
+    fields = {line.split(":")[0]: line.split()[1:] for line in status.stdout.splitlines()}
+    assert fields["Uid"] == ["1000"] * 4 and fields["Gid"] == ["1000"] * 4
+    assert int(fields["CapPrm"][0], 16) == 0 and int(fields["CapEff"][0], 16) == 0
+    root = sbx.commands.run("id -u; grep -E '^CapEff:' /proc/self/status", user="root")
+    assert root.stdout.split()[0] == "0" and int(root.stdout.split()[2], 16) != 0
+    # a cwd the user may not enter still starts there, as it always did
+    assert sbx.commands.run("pwd", cwd="/root").stdout.strip() == "/root"
+    with pytest.raises(SandboxException, match="does not exist"):
+        sbx.commands.run("true", cwd="/nonexistent/dir")
+    assert sbx.commands.run("echo still").stdout.strip() == "still"
+
+
 def test_sandbox_env_vars_from_create(node: NodeProc) -> None:
     s = Sandbox.create(TEMPLATE, envs={"GREETING": "hi there"})
     try:

@@ -24,7 +24,14 @@ import trio
 
 import aenv
 from aenv.envd.process import ProcessService
-from aenv.envd.spawner import SpawnedProcess, SpawnerClient, Unavailable, fork_spawner
+from aenv.envd.spawner import (
+    Lost,
+    MissingCwd,
+    SpawnedProcess,
+    SpawnerClient,
+    Unavailable,
+    fork_spawner,
+)
 from aenv.envd.state import EnvdState
 from aenv.envd.users import UserDB
 
@@ -184,9 +191,8 @@ async def test_a_user_gets_its_own_credentials_and_path_lookup(spawner: SpawnerC
 
 
 async def test_a_missing_directory_is_the_spawns_error(spawner: SpawnerClient) -> None:
-    with pytest.raises(OSError) as caught:
+    with pytest.raises(MissingCwd):
         await spawn(spawner, "true", cwd="/nonexistent/dir")
-    assert caught.value.errno == errno.ENOENT
     with pytest.raises(OSError) as caught:
         await spawner.spawn(
             ["no-such-command-here"],
@@ -215,3 +221,123 @@ def test_the_spawner_imports_only_built_in_modules() -> None:
     assert "aenv.envd.spawnd" in out
     heavy = {"json", "subprocess", "socket", "typing", "re", "enum", "signal", "threading"}
     assert not heavy & set(out), heavy & set(out)
+
+
+OTHER = 54321  # a uid and gid no account holds
+
+
+def status_of(text: str) -> dict[str, str]:
+    return {k: v.split() for k, _, v in (line.partition(":") for line in text.splitlines())}  # type: ignore[misc]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching to another user needs root")
+async def test_another_users_process_has_only_that_users_credentials(
+    spawner: SpawnerClient, tmp_path: Path
+) -> None:
+    # (started with the spawner's own credentials switched for the spawn:
+    # nothing of root's may be left in the child, and the spawner is root after)
+    for _ in range(2):
+        proc = await spawner.spawn(
+            ["/bin/cat", "/proc/self/status"],
+            env={"PATH": PATH},
+            cwd="/",
+            uid=OTHER,
+            gid=OTHER,
+            groups=[OTHER, OTHER + 1],
+            limit=LIMIT,
+            stdin_enabled=False,
+        )
+        status = status_of((await read_all(proc.stdout)).decode())
+        assert await proc.wait() == 0
+        assert status["Uid"] == [str(OTHER)] * 4  # real, effective, saved, fs
+        assert status["Gid"] == [str(OTHER)] * 4
+        assert sorted(status["Groups"]) == sorted([str(OTHER), str(OTHER + 1)])
+        assert int(status["CapEff"][0], 16) == 0
+        assert int(status["CapPrm"][0], 16) == 0
+        assert int(status.get("CapAmb", ["0"])[0], 16) == 0
+        with open(f"/proc/{spawner.pid}/status") as f:  # noqa: ASYNC230 (procfs)
+            own = status_of(f.read())
+        assert own["Uid"] == ["0"] * 4 and own["Gid"] == ["0"] * 4
+    # a cwd the user may not enter: still started there, as before
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    proc = await spawner.spawn(
+        ["/bin/sh", "-c", "id -u; pwd"],
+        env={"PATH": PATH},
+        cwd=str(private),
+        uid=OTHER,
+        gid=OTHER,
+        groups=[OTHER],
+        limit=LIMIT,
+        stdin_enabled=False,
+    )
+    assert (await read_all(proc.stdout)).decode().split() == [str(OTHER), str(private)]
+    assert await proc.wait() == 0
+
+
+async def test_a_missing_cwd_and_the_fallback_program(spawner: SpawnerClient) -> None:
+    with pytest.raises(MissingCwd):
+        await spawn(spawner, "true", cwd="/nonexistent/dir")
+    proc = await spawner.spawn(
+        ["/nonexistent/bash", "-c", "echo $0"],
+        env={"PATH": PATH},
+        cwd="/",
+        uid=os.getuid(),
+        gid=os.getgid(),
+        groups=[os.getgid()],
+        limit=LIMIT,
+        stdin_enabled=False,
+        fallback="/bin/sh",
+    )
+    assert (await read_all(proc.stdout)).strip() == b"/bin/sh"
+    assert await proc.wait() == 0
+
+
+async def test_the_spawner_outlives_a_users_signals(spawner: SpawnerClient) -> None:
+    # (while it holds a user's credentials, that user may signal it)
+    assert await (await spawn(spawner, "true")).wait() == 0  # (serving: its handlers are set)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGTSTP):
+        os.kill(spawner.pid, sig)
+    os.kill(spawner.pid, signal.SIGSTOP)  # envd sends SIGCONT when it does not answer
+    with trio.fail_after(10):
+        proc = await spawn(spawner, "trap - TERM; kill -TERM $$; sleep 5")
+        assert await proc.wait() == -signal.SIGTERM  # its children: default dispositions
+    assert spawner.alive
+
+
+async def test_a_killed_spawner_is_replaced(spawner: SpawnerClient) -> None:
+    user = UserDB().lookup("root" if os.getuid() == 0 else str(os.getuid()))
+    async with trio.open_nursery() as nursery:
+        service = ProcessService(nursery, EnvdState(), UserDB(), lambda ctx: user, spawner=spawner)
+        os.kill(spawner.pid, signal.SIGKILL)
+        with trio.fail_after(10):
+            await spawner.gone.wait()
+        script = ["/bin/sh", "-c", "echo hi"]
+        proc = await service._via_spawner(
+            script, {"PATH": PATH}, "/", user, [os.getgid()], LIMIT, False
+        )
+        assert proc is not None
+        assert await read_all(proc.stdout) == b"hi\n"
+        await proc.wait()
+        fresh = service.spawner_pids()
+        assert fresh and fresh != [spawner.pid]
+        os.kill(fresh[0], signal.SIGKILL)
+        await trio.to_thread.run_sync(os.waitpid, fresh[0], 0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_spawner_lost_before_it_answers_is_never_asked_again(
+    spawner: SpawnerClient,
+) -> None:
+    # (the process may have started: starting it once more could run it twice)
+    assert await (await spawn(spawner, "true")).wait() == 0
+    os.kill(spawner.pid, signal.SIGSTOP)  # holds the request unanswered ...
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_kill_soon, spawner.pid)
+        with pytest.raises(Lost), trio.fail_after(10):
+            await spawn(spawner, "true")  # ... until it is killed
+
+
+async def _kill_soon(pid: int) -> None:
+    await trio.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
