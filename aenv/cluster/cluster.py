@@ -29,7 +29,8 @@ from typing import Any, Protocol
 
 import trio
 
-from aenv.cluster.leases import Ownership, OwnershipError
+from aenv.cluster.leases import ClaimView, Ownership, OwnershipError
+from aenv.cluster.owners import Owners
 from aenv.cluster.router import Peer
 from aenv.node.node import Node, SandboxNotFound
 from aenv.node.pressure import read_meminfo
@@ -39,6 +40,9 @@ from aenv.storage.objstore import StoreError
 from aenv.storage.templates import TemplateNotFound
 
 log = logging.getLogger("aenv.cluster")
+
+# a call about a sandbox that asks the store who holds it waits no longer than this
+LOOKUP_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,7 @@ class Cluster:
         self.ownership: Ownership | None = None  # set once the node's lease is live
         self.pending = placement.Pending()
         self.moves: Mover | None = None  # with ownership: sandboxes moving between nodes
+        self.owners: Owners | None = None  # with ownership: keeps the claims in step
 
     def members(self) -> list[Member]:
         return sorted(self._members(), key=lambda m: m.id)
@@ -163,11 +168,22 @@ class Cluster:
             self.node.get(sandbox_id)
         except SandboxNotFound:
             return sandbox_id in self.node.lost  # lost here: this node says why
-        # Here but not claimed by this node: new (claimed within seconds), or a copy
-        # taken back at a restart that another node took over meanwhile (stopped at
-        # the next reconcile): `owner_of` asks the store.
+        # Here but not claimed by this node: new (its claim is a reconcile away: it
+        # is ours), or a copy taken back at a restart that another node may have
+        # taken over meanwhile (stopped at the next reconcile): `owner_of` asks the
+        # store about those.
         own = self.ownership
-        return own is None or not own.may_serve() or own.grant(sandbox_id) is not None
+        return (
+            own is None
+            or not own.may_serve()
+            or own.grant(sandbox_id) is not None
+            or not self.doubtful(sandbox_id)
+        )
+
+    def doubtful(self, sandbox_id: str) -> bool:
+        """Whether a sandbox here that this node holds no claim on may be another
+        node's (see `Owners.doubtful`); never for one made in this node's epoch."""
+        return self.owners is not None and self.owners.doubtful(sandbox_id)
 
     def volume_holder(self, volume: str) -> Peer | None:
         if self.node.volumes.find(volume) is not None:
@@ -201,7 +217,7 @@ class Cluster:
         if (hinted is not None and hinted.state in ("alive", "suspect")) or self.ownership is None:
             return hinted
         try:
-            view = await self.ownership.lookup(sandbox_id)
+            view = await self._lookup(sandbox_id)
         except (StoreError, OwnershipError, ValueError) as e:
             log.warning("looking up the owner of sandbox %s failed: %s", sandbox_id, e)
             if self._unclaimed_here(sandbox_id):  # a copy here: not served unless ours
@@ -213,6 +229,14 @@ class Cluster:
         if m is not None:
             return m.as_peer()
         return Peer(view.claim.node, view.owner_url, "alive" if view.owner_url else "dead")
+
+    async def _lookup(self, sandbox_id: str) -> ClaimView | None:
+        """The sandbox's claim as stored; `StoreError` when the store does not answer
+        within `LOOKUP_TIMEOUT_S` (a call waiting on it answers 503, never hangs)."""
+        assert self.ownership is not None
+        with trio.move_on_after(LOOKUP_TIMEOUT_S):
+            return await self.ownership.lookup(sandbox_id)
+        raise StoreError(f"the object store did not answer within {LOOKUP_TIMEOUT_S:g} s")
 
     def _holds(self, template: str | None) -> frozenset[str]:
         """{template} if this node holds it now (fresher than its gossiped load)."""
@@ -252,7 +276,7 @@ class Cluster:
             return None
         assert self.ownership is not None
         try:
-            view = await self.ownership.lookup(sandbox_id)
+            view = await self._lookup(sandbox_id)
         except (StoreError, OwnershipError, ValueError) as e:
             log.warning("looking up the owner of sandbox %s failed: %s", sandbox_id, e)
             return Peer(self.node_id, "", "unknown") if copy else None
@@ -281,6 +305,8 @@ class Cluster:
         """This node has the sandbox but no claim on it while it may serve."""
         own = self.ownership
         if own is None or not own.may_serve() or own.grant(sandbox_id) is not None:
+            return False
+        if not self.doubtful(sandbox_id):
             return False
         try:
             self.node.get(sandbox_id)

@@ -190,6 +190,7 @@ async def open_cluster_member(
                 after=moves.after_reconcile,
             )
             owners_box.append(owners)
+            cluster.owners = owners
             cluster.moves = moves
             nursery.start_soon(owners.run)
             nursery.start_soon(moves.watch)

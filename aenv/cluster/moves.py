@@ -317,9 +317,10 @@ class Moves:
         self._resuming[sid] = self._resuming.get(sid, 0) + 1
         try:
             grant = self.ownership.grant(sid)
-            if grant is None and self._paused_here(sid):
-                # a copy taken back at a restart that is not this node's (any more):
-                # never resumed here; the next reconcile stops it or claims it
+            if grant is None and self._paused_here(sid) and self.cluster.doubtful(sid):
+                # a copy taken back at a restart that may not be this node's (any
+                # more): never resumed here; the next reconcile stops it or claims it.
+                # (One made in this epoch is ours before its first claim.)
                 raise MoveError(f"node {self.ownership.node} holds no claim on sandbox {sid} now")
             if grant is not None and grant.state == PAUSED_DURABLE:
                 try:

@@ -13,6 +13,14 @@ serve: it moved while this node could not renew its lease (it was fenced).
 It is stopped here and the conflict logged. While the node may not serve
 (its lease lapsed: the store is unreachable), the router answers 503 for its
 sandboxes and nothing is reconciled.
+
+Between its creation and its first claim (one reconcile, normally within
+milliseconds, longer when the store is slow), a sandbox is this node's all
+the same: its ID is new, so no other node can hold a claim on it. Only the
+sandboxes the node held when its epoch began (taken back at a restart, or
+kept through a fence) may belong to another node by now; `doubtful` says
+which sandboxes are in that position, so that the router asks the store
+about those and serves the others at once.
 """
 
 from __future__ import annotations
@@ -53,6 +61,18 @@ class Owners:
         self._poke = trio.Event()
         self._poke.set()  # the first reconcile at once (a restart's copies are settled)
         self.conflicts = 0
+        # the epoch whose first reconcile ran, and what was here at it with no claim
+        # this node holds: sandboxes from before the epoch, not yet settled
+        self._epoch: int | None = None
+        self._doubtful: set[str] = set()
+
+    def doubtful(self, sid: str) -> bool:
+        """Whether `sid`, held here without a claim, may be another node's: it was
+        here when this node's epoch began (a restart, a fence) and has not been
+        claimed since. A sandbox made in this epoch never is (its first claim is a
+        reconcile away); before the epoch's first reconcile, every one is."""
+        epoch = self.ownership.epoch
+        return epoch is None or epoch != self._epoch or sid in self._doubtful
 
     def poke(self) -> None:
         """Reconcile soon (a sandbox was created or stopped)."""
@@ -76,6 +96,10 @@ class Owners:
             return
         local = dict(self._local())
         held = {g.sid: g for g in own.held()}
+        if own.epoch != self._epoch:  # a new epoch: what is here may be another's now
+            self._epoch = own.epoch
+            self._doubtful = set(local) - held.keys()
+        self._doubtful &= local.keys()
         for sid, state in local.items():
             g = held.get(sid)
             if g is None:
@@ -94,6 +118,7 @@ class Owners:
         own = self.ownership
         try:
             await own.claim(sid, state=state)
+            self._doubtful.discard(sid)
         except NotServing:
             return
         except Claimed as e:
@@ -101,6 +126,7 @@ class Owners:
                 # ours from before a restart (or a fence): take it up again
                 try:
                     await own.take_over(sid, state=state)
+                    self._doubtful.discard(sid)
                     return
                 except Claimed as moved:
                     self._moved(sid, f"node {moved.claim.node} holds it now")
