@@ -1336,24 +1336,31 @@ class SandboxActor:
             await self._set_network(new.policy)
             steps.mark("network")
         self.metadata = dict(new.metadata)
-        self.env_vars = {**self.template.env_map, **new.env_vars}
+        env_vars = {**self.template.env_map, **new.env_vars}
+        # envd was given this member's environment and a token of its own (one
+        # nobody outside this node has seen) when the member was restored: a create
+        # that asks for nothing else keeps both, and its /init would change nothing
+        init = env_vars != self.env_vars or bool(self.policy.rules)
+        self.env_vars = env_vars
         self.allow_internet_access = new.allow_internet_access
         self.allow_public_traffic = new.allow_public_traffic
         self.auto_pause = self.lifecycle.auto_pause = new.auto_pause
         self.auto_resume = new.auto_resume
         self.pause_mode = "full" if new.auto_pause_memory else "filesystem"
-        self._prior_token = self.envd_access_token
-        self.envd_access_token = secrets.token_urlsafe(24)
+        if init:
+            self._prior_token = self.envd_access_token
+            self.envd_access_token = secrets.token_urlsafe(24)
         self.traffic_access_token = secrets.token_urlsafe(24)
         self.started_at = time.time()
         self.lifecycle.step(lc.SetTimeout(trio.current_time(), new.timeout_s))
-        # envd's /init and the journal record at once; both are done before the
-        # create returns (one that fails is stopped by the node, its record removed)
+        # envd's /init (when needed) and the journal record at once; both are done
+        # before the create returns (one that fails is stopped, its record removed)
         self.hidden = False
         with one_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(steps.timed, "journal", self._journal("running"))
-                await steps.timed("envd", self._init_envd(resumed=True))
+                if init:
+                    await steps.timed("envd", self._init_envd(resumed=True))
         steps.skip()
         self._prior_token = None
         self.pooled = False

@@ -123,13 +123,25 @@ async def test_a_member_adopts_the_create_whole_and_one_that_fails_is_stopped(
         record = node.meta.store.get_sandbox(member.sandbox_id)
         assert record is not None and record["state"] == "running"
         assert [a.sandbox_id for a in node.list()] == [member.sandbox_id]
+        # a create that asks for no environment of its own: envd has it already, and
+        # the member's token (never shown outside the node) becomes the sandbox's
+        await autojump.until(lambda: _ready(node, template) >= 1)
+        plain = node.pool.take(template)
+        assert plain is not None
+        inits, plain_token = len(fake.envd.inits), plain.envd_access_token
+        assert await plain.adopt(new(600)) is plain and not plain.pooled
+        assert len(fake.envd.inits) == inits and plain.envd_access_token == plain_token
+        record = node.meta.store.get_sandbox(plain.sandbox_id)
+        assert record is not None and record["state"] == "running"
+        await plain.stop()
         # envd refuses the next member's /init: that create restores instead, and
         # the member is stopped, its record gone
+        await autojump.until(lambda: _ready(node, template) >= 1)
         other = node.pool.take(template)
         assert other is not None
         fake.envd.faults.fail_next("init")
         with pytest.raises(Exception, match="init"):
-            await other.adopt(new(600))
+            await other.adopt(new(600, env_vars={"WHO": "them"}))
         await other.stop()
         assert node.meta.store.get_sandbox(other.sandbox_id) is None
         assert [a.sandbox_id for a in node.list()] == [member.sandbox_id]
