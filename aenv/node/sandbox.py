@@ -46,6 +46,7 @@ from aenv.proto.netpolicy import EgressPolicy
 from aenv.proto.oomevent import OomKill
 from aenv.proto.requests import NewSandbox
 from aenv.proto.volumes import VolumeMount
+from aenv.runtimes import memvalve
 from aenv.runtimes.base import ENVD_PORT, RunningSandbox, SandboxSpec, Usage
 from aenv.runtimes.netns import NetSlot
 from aenv.storage.bundle import envd_command
@@ -57,6 +58,9 @@ from aenv.storage.volumes import Volumes
 log = logging.getLogger("aenv.sandbox")
 
 ENVD_READY_TIMEOUT_S = 60.0
+# a runtime that fails this soon after its sandbox was at the host memory limit
+# failed of it (the valve's opening lasts up to 15 s, then the kernel decides)
+AT_LIMIT_S = 60.0
 LOG_LINES = 1000
 _A = TypeVar("_A")
 _B = TypeVar("_B")
@@ -294,6 +298,7 @@ class SandboxActor:
         # why the runtime stopped by itself, if it did (kept for the API once it is gone)
         self.exit_cause: str | None = None
         self.host_oom_killed = False
+        self._memory_limit_at: float | None = None  # when the valve last opened
         self.metadata = dict(req.metadata)
         # The image's Env first; the caller's envVars override it.
         self.env_vars = {**template.env_map, **req.env_vars}
@@ -1180,10 +1185,21 @@ class SandboxActor:
                 status = await running.wait()
                 if self.lifecycle.can(lc.Exited(status)):
                     self.lifecycle.step(lc.Exited(status))
-                    self.exit_cause = f"its runtime exited with status {status}" + (
-                        " (the host killed it: out of memory)" if running.host_oom_killed else ""
+                    # the runtime itself may fail at the host limit rather than be
+                    # killed there (its own allocations refused): the valve saw it
+                    at_limit = (
+                        status != 0
+                        and self._memory_limit_at is not None
+                        and trio.current_time() - self._memory_limit_at <= AT_LIMIT_S
                     )
-                    self.host_oom_killed = running.host_oom_killed
+                    self.exit_cause = f"its runtime exited with status {status}" + (
+                        " (the host killed it: out of memory)"
+                        if running.host_oom_killed
+                        else " (at its host memory limit: out of memory)"
+                        if at_limit
+                        else ""
+                    )
+                    self.host_oom_killed = running.host_oom_killed or at_limit
                     self._log(f"sandbox process exited with status {status}", level="warn")
                 nursery.cancel_scope.cancel()
 
@@ -1204,6 +1220,8 @@ class SandboxActor:
             nursery.cancel_scope.cancel()
 
     def _on_memory_valve(self, message: str) -> None:
+        if message.startswith(memvalve.LIMIT_REACHED):
+            self._memory_limit_at = trio.current_time()
         self._log(message, level="warn", event="memory-valve")
 
     def _on_oom_kill(self, kill: OomKill) -> None:

@@ -42,6 +42,8 @@ RESERVE_BYTES = 128 << 20
 # ... for at most this long, looking this often.
 OPEN_MAX_S = 15.0
 POLL_S = 0.2
+# how each opening's event begins (the node notes when a sandbox was at its limit)
+LIMIT_REACHED = "host memory limit reached"
 
 
 class Action(enum.Enum):
@@ -159,7 +161,7 @@ async def _relieve(
     limit = await trio.to_thread.run_sync(cgroup.limit)
     await trio.to_thread.run_sync(cgroup.set_limit, limit + reserve)
     on_event(
-        f"host memory limit reached ({limit >> 20} MiB): "
+        f"{LIMIT_REACHED} ({limit >> 20} MiB): "
         f"{reserve >> 20} MiB more while the sandbox's OOM killer acts"
     )
     opened = trio.current_time()
