@@ -41,7 +41,7 @@ import enum
 import json
 import shutil
 from collections import deque
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +121,8 @@ class FakeSandbox:
     until_thaw: bool = False
     exit_status: int | None = None
     _exited: trio.Event = field(default_factory=trio.Event, repr=False)
+    # the node's memory relief valve, while it watches (`guard_memory`)
+    _valve: Callable[[str], None] | None = field(default=None, repr=False)
 
     @property
     def sandbox_id(self) -> str:
@@ -133,6 +135,11 @@ class FakeSandbox:
         if self.state is not Guest.EXITED:
             self._exit(status)
             self.runtime._console(self.spec, f"init exited with status {status}")
+
+    def memory_limit_reached(self) -> None:
+        """The sandbox reaches its host memory limit: the valve opens (as on v1 hosts)."""
+        assert self._valve is not None, "nobody guards this sandbox's memory"
+        self._valve("host memory limit reached (1024 MiB): 128 MiB more (fake)")
 
     def write(self, path: str, data: str) -> None:
         """The guest writes a file (into its root; a frozen or paused guest cannot)."""
@@ -147,6 +154,13 @@ class FakeSandbox:
     @property
     def host_oom_killed(self) -> bool:
         return False
+
+    async def guard_memory(self, on_event: Callable[[str], None]) -> None:
+        self._valve = on_event
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._valve = None
 
     async def wait(self) -> int:
         await self._exited.wait()

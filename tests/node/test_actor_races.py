@@ -269,3 +269,23 @@ async def test_a_sandbox_whose_runtime_dies_stops_with_the_exit_status(
         node.get(actor.sandbox_id)
     with pytest.raises(Exception, match="stopped"):
         await actor.mailbox.ask(Kill())
+
+
+async def test_a_runtime_that_fails_at_its_host_memory_limit_died_of_it(
+    clock: trio.testing.MockClock, node: Node, fake: FakeHost
+) -> None:
+    at_limit = await create(node, timeout_s=600)
+    other = await create(node, timeout_s=600)
+    await trio.sleep(1)
+    fake.runtime.get(at_limit.sandbox_id).memory_limit_reached()
+    await trio.sleep(5)
+    # the runtime fails (its own allocations refused) before the kernel kills it
+    fake.runtime.get(at_limit.sandbox_id).guest_exit(2)
+    fake.runtime.get(other.sandbox_id).guest_exit(2)  # a crash, nothing to do with memory
+    await at_limit.stopped.wait()
+    await other.stopped.wait()
+    died = {d.sandbox_id: d for d in node.died_recently()}
+    assert died[at_limit.sandbox_id].host_oom
+    assert "status 2 (at its host memory limit: out of memory)" in died[at_limit.sandbox_id].cause
+    assert not died[other.sandbox_id].host_oom
+    assert "out of memory" not in died[other.sandbox_id].cause
