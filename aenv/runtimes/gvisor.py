@@ -191,7 +191,12 @@ class GVisorSandbox:
                 args.append("--exclude-committed-zero-pages")
             if leave_running:
                 args.append("--leave-running")
-            await rt._runsc_logged(_CHECKPOINT_TIMEOUT, self.spec, *args, sandbox_id)
+            # --leave-running saves the kernel and resumes it in place (runsc
+            # 20240729: nothing is started, no network probed): without the
+            # private namespace's three processes, inside a capture's hold
+            await rt._runsc_logged(
+                _CHECKPOINT_TIMEOUT, self.spec, *args, sandbox_id, private_netfs=not leave_running
+            )
             if not leave_running and not await _wait_all_exit(pidfds, _CHECKPOINT_EXIT_TIMEOUT):
                 raise GVisorCheckpointError(
                     f"sandbox {sandbox_id} still runs {_CHECKPOINT_EXIT_TIMEOUT:g}s after "
