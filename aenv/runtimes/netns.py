@@ -59,6 +59,7 @@ from aenv.proto.netstate import (
     shape_of_listing,
     shape_of_script,
 )
+from aenv.proto.spares import Bursts
 
 log = logging.getLogger("aenv.runtimes.netns")
 
@@ -255,7 +256,7 @@ class HostNetwork:
         self._spares_taken = 0
         self._broken_spares: list[int] = []  # (lost while spare: removed by `keep_spares`)
         self._spare_wanted = trio.Event()
-        self._last_open = 0.0
+        self._spare_demand = Bursts(most=0, gap_s=1.0)
         self._policy_updates = 0
         self._cleanup_failures = 0
 
@@ -337,7 +338,8 @@ class HostNetwork:
     async def _open_slot(self, policy: EgressPolicy) -> AsyncIterator[NetSlot]:
         if self._closed:
             raise RuntimeError("host network is closed")
-        self._last_open = trio.current_time()
+        self._spare_demand.took(trio.current_time())
+        self._spare_wanted.set()
         if self._spares:
             async with self._spare(policy) as slot:
                 yield slot
@@ -366,7 +368,6 @@ class HostNetwork:
         """A spare slot (`keep_spares`) with `policy`, owned as `_open_slot`'s."""
         slot = self._open[self._spares.popleft()]
         self._spares_taken += 1
-        self._spare_wanted.set()
         async with self._owned(slot):
             if self._rules(slot, self._policies[slot.index]) != self._rules(slot, policy):
                 await self.set_policy(slot, policy)
@@ -375,25 +376,26 @@ class HostNetwork:
             self._opened_total += 1
             yield slot
 
-    async def keep_spares(self, count: int, *, quiet_s: float = 1.0) -> None:
-        """Keep `count` slots made ahead with the default policy, until
-        cancelled or closed: `open_slot` hands one out (its rules replaced in
-        one transaction if its policy is not the default) instead of making a
-        slot (a netns, a veth pair and their addresses: four processes, and
-        an nft transaction at a time, which a fork of 20 children waits for
-        in turn). Made one at a time, once no slot was opened for `quiet_s`
-        (a refill must not compete with the burst it refills after). A spare
-        that cannot be made is given up and tried again at the next wake-up."""
+    async def keep_spares(self, count: int, *, quiet_s: float = 1.0, least: int = 1) -> None:
+        """Keep slots made ahead with the default policy, until cancelled or
+        closed: `open_slot` hands one out (its rules replaced in one
+        transaction if its policy is not the default) instead of making a slot
+        (a netns, a veth pair and their addresses: four processes, and an nft
+        transaction at a time, which a fork of 20 children waits for in turn).
+        As many as the largest burst of opens seen (opens less than `quiet_s`
+        apart), at least `least`, at most `count` (`aenv.proto.spares`); made
+        one at a time once no slot was opened for `quiet_s`. A spare that
+        cannot be made is given up and tried again later."""
+        demand = self._spare_demand = Bursts(most=count, gap_s=quiet_s, least=least)
         while not self._closed and count > 0:
             while self._broken_spares:
                 await self._discard(self._open[self._broken_spares.pop()])
-            if len(self._spares) >= count:
+            if len(self._spares) >= demand.target:
                 self._spare_wanted = trio.Event()
                 await self._spare_wanted.wait()
                 continue
-            quiet_at = self._last_open + quiet_s
-            if trio.current_time() < quiet_at:
-                await trio.sleep_until(quiet_at)
+            if trio.current_time() < demand.refill_at:
+                await trio.sleep_until(demand.refill_at)
                 continue
             if not self._free:
                 await trio.sleep(quiet_s)

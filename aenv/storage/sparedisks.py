@@ -4,13 +4,15 @@ A sized disk (`aenv.storage.disks.make_disk`) is a truncate, a `mkfs.ext4`, a
 loop mount and a `losetup`: a few milliseconds alone, but the loop devices
 are set up one at a time by the kernel, and a fork of 20 children made 20 at
 once, each waiting for the others (a child's root took 200-500 ms of its
-start, docs/performance.md, Forks). `SpareDisks.keep` holds `count` disks of
+start, docs/performance.md, Forks). `SpareDisks.keep` holds disks of
 the node's default size mounted in a directory of their own; `take` hands one
 out, which `take_disk` moves to the sandbox's directory (one mount move and a
 rename). A spare is unused, so which one a sandbox gets does not matter.
 
-Refills wait until no disk was taken for a moment (a refill must not compete
-with the burst it refills after) and make one disk at a time. The spares are
+As many are kept as the largest burst of starts seen needed (at most
+`count`, `aenv.proto.spares`); refills wait until no disk was taken for a
+moment (a refill must not compete with the burst it refills after) and make
+one disk at a time. The spares are
 removed when `keep` ends; the spares an earlier node process left are under
 the sandboxes directory, whose stale disks a starting node removes.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import trio
 
+from aenv.proto.spares import Bursts
 from aenv.storage.disks import DiskError, disk_image, make_disk, remove_disk
 
 log = logging.getLogger("aenv.sparedisks")
@@ -35,7 +38,7 @@ class SpareDisks:
     """Up to `count` disks of `size_bytes` made ahead in `directory` (see the module)."""
 
     def __init__(
-        self, directory: Path, *, size_bytes: int, count: int, quiet_s: float = 1.0
+        self, directory: Path, *, size_bytes: int, count: int, quiet_s: float = 1.0, least: int = 1
     ) -> None:
         self.directory = directory
         self.size_bytes = size_bytes
@@ -44,17 +47,19 @@ class SpareDisks:
         self._ready: deque[Path] = deque()
         self._names = itertools.count()
         self._wanted = trio.Event()
-        self._last_take = 0.0
+        self.demand = Bursts(most=count, gap_s=quiet_s, least=least)
         self.taken = 0
 
     def take(self, size_bytes: int) -> Path | None:
         """A ready spare's mount point for a disk of `size_bytes` (None: none
         of that size ready); the caller moves it away (`take_disk`) or removes it."""
-        self._last_take = trio.current_time()
-        if size_bytes != self.size_bytes or not self._ready:
+        if size_bytes != self.size_bytes:
+            return None
+        self.demand.took(trio.current_time())
+        self._wanted.set()
+        if not self._ready:
             return None
         self.taken += 1
-        self._wanted.set()
         return self._ready.popleft()
 
     async def keep(self) -> None:
@@ -62,13 +67,12 @@ class SpareDisks:
         try:
             await trio.to_thread.run_sync(self._clear)
             while self.count > 0:
-                if len(self._ready) >= self.count:
+                if len(self._ready) >= min(self.count, self.demand.target):
                     self._wanted = trio.Event()
                     await self._wanted.wait()
                     continue
-                quiet_at = self._last_take + self.quiet_s
-                if trio.current_time() < quiet_at:
-                    await trio.sleep_until(quiet_at)
+                if trio.current_time() < self.demand.refill_at:
+                    await trio.sleep_until(self.demand.refill_at)
                     continue
                 path = self.directory / str(next(self._names))
                 try:

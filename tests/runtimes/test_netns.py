@@ -574,7 +574,7 @@ async def test_spare_slots_are_handed_out_with_the_policy_asked_for(internet: st
         open_host_network(prefix=PREFIX, table=TABLE, cidr=CIDR) as hn,
         trio.open_nursery() as nursery,
     ):
-        nursery.start_soon(partial(hn.keep_spares, 2, quiet_s=0.05))
+        nursery.start_soon(partial(hn.keep_spares, 2, quiet_s=0.05, least=2))
         nursery.start_soon(partial(hn.guard, every_s=0.1, on_lost=lambda s, w: lost.append((s, w))))
         await wait_for(lambda: hn.statistics()["slots_spare"] == 2)
         made = set(netns_names())

@@ -141,7 +141,7 @@ async def wait_for(check: Callable[[], bool], within_s: float = 20.0) -> None:
 
 async def test_a_spare_disk_becomes_a_root_of_its_own(tmp_path: Path) -> None:
     base = lower(tmp_path)
-    spares = SpareDisks(tmp_path / "spares", size_bytes=BIG, count=2, quiet_s=0.05)
+    spares = SpareDisks(tmp_path / "spares", size_bytes=BIG, count=2, quiet_s=0.05, least=2)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(spares.keep)
         await wait_for(lambda: len(list((tmp_path / "spares").glob("*.img"))) == 2)
