@@ -14,8 +14,8 @@ state lives under `state_root`, shared by all sandboxes of the node, so
 `reap_stale` can find and remove everything a crashed node left behind.
 
 Memory snapshots: `GVisorSandbox.checkpoint` runs `runsc checkpoint` (in the
-same private mount namespace, which `--leave-running` needs as it restarts
-the container), `freeze`/`thaw` are the cgroup v2 freezer (`runsc
+same private mount namespace, but with `--leave-running`, which saves and
+resumes the kernel in place on runsc 20240729), `freeze`/`thaw` are the cgroup v2 freezer (`runsc
 pause`/`resume` on cgroup v1 hosts, whose freezer only pool members use), and
 `GVisorRuntime.open_restored` starts a sandbox with `runsc restore --detach`
 from a bundle written for the new spec: the restored kernel takes the new
