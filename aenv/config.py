@@ -67,6 +67,10 @@ class Config:
     # How often the node checks its host network (nftables table, slots'
     # rules, netns and veths) and repairs it (AENV_NETWORK_CHECK_INTERVAL, s).
     network_check_s: float = 5.0
+    # Network slots (with the default egress policy) and disks (of the default
+    # size) made ahead, so a start (a fork's children above all) takes them
+    # instead of making them (AENV_START_SPARES, of each; 0: none).
+    start_spares: int = 20
     # Operator bound on every sandbox's egress (CIDRs); a sandbox's own allowOut
     # can never reach beyond it. Private ranges are refused regardless.
     egress_cap: tuple[str, ...] = ("0.0.0.0/0",)
@@ -313,6 +317,11 @@ class Config:
             if not every > 0:
                 raise ValueError(f"AENV_NETWORK_CHECK_INTERVAL must be positive, not {every:g}")
             kw["network_check_s"] = every
+        if env.get("AENV_START_SPARES"):
+            spares = int(env["AENV_START_SPARES"])
+            if spares < 0:
+                raise ValueError(f"AENV_START_SPARES must not be negative, not {spares}")
+            kw["start_spares"] = spares
         if "AENV_EGRESS_CAP" in env:
             kw["egress_cap"] = tuple(
                 c.strip() for c in env["AENV_EGRESS_CAP"].split(",") if c.strip()

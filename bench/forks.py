@@ -319,7 +319,14 @@ def measure(
 
 
 def bench(
-    home: Path, template: str, n: int, n20: int, workdir: Path, config: Config, with_floor: bool
+    home: Path,
+    template: str,
+    n: int,
+    n20: int,
+    workdir: Path,
+    config: Config,
+    with_floor: bool,
+    spares: int | None = None,
 ) -> tuple[dict[str, Series], dict[str, Series], dict[str, dict[str, list[float]]]]:
     keys = ("fork_1", "fork_4", "fork_20", "snapshot", "snapshot_gap", "idle_gap")
     aenv = {k: Series() for k in keys}
@@ -342,6 +349,7 @@ def bench(
                     "AENV_SLOT_CIDR": SLOT_CIDR,
                     "AENV_NODE_TAG": NODE_TAG,
                     "AENV_POOL_SIZE": "0",
+                    **({} if spares is None else {"AENV_START_SPARES": str(spares)}),
                 },
             )
             try:
@@ -430,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home", type=Path, help="built home (default $AENV_TEST_HOME)")
     p.add_argument("--template", default="base")
     p.add_argument("--skip-floor", action="store_true", help="measure only aenv")
+    p.add_argument(
+        "--spares", type=int, help="the node's AENV_START_SPARES (default: the node's default)"
+    )
     args = p.parse_args(argv)
     if not 1 <= args.n <= 1000 or not 0 <= args.n20 <= 100:
         p.error("--n must be in 1..1000 and --n20 in 0..100")
@@ -456,8 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aenv (a node + e2b SDK) and runsc ({config.runsc_platform}) in turns, "
               f"n={args.n}, fork(20) n={args.n20} ...", flush=True)  # fmt: skip
         aenv_res, floor_res, phases = bench(
-            home, args.template, args.n, args.n20, workdir, config, not args.skip_floor
-        )
+            home, args.template, args.n, args.n20, workdir, config, not args.skip_floor,
+            args.spares,
+        )  # fmt: skip
     except (KeyboardInterrupt, Interrupted):
         print("interrupted; cleaned up", file=sys.stderr)
         return 130
@@ -476,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "n": args.n,
         "n20": args.n20,
         "template": args.template,
+        "spares": args.spares,
         "host": {
             "kernel": platform.release(),
             "cpus": os.cpu_count(),

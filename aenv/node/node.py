@@ -106,6 +106,7 @@ from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.metadata import Metadata, MetadataStore
 from aenv.storage.overlay import OverlayRoots
 from aenv.storage.secrets import SecretNotFound, SecretStore
+from aenv.storage.sparedisks import SpareDisks
 from aenv.storage.templates import (
     Template,
     TemplateConflict,
@@ -1214,7 +1215,12 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
         memory_headroom_mb=config.memory_headroom_mb,
         process_limit=config.process_limit_for,
     )
-    roots = OverlayRoots()
+    spares = SpareDisks(
+        config.sandboxes_dir / ".spare-disks",
+        size_bytes=config.sandbox_disk_mb << 20,
+        count=config.start_spares if config.sandbox_disk_mb > 0 else 0,
+    )
+    roots = OverlayRoots(spares)
     try:
         async with _node_on_runtime(config, runtime, roots, prefix, slot_cidr, api_key) as node:
             yield node
@@ -1250,6 +1256,12 @@ async def _node_on_runtime(
             async def guard(_stop: StopToken) -> None:
                 await network.guard(every_s=config.network_check_s, on_lost=node.network_lost)
 
+            async def spares(_stop: StopToken) -> None:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(network.keep_spares, config.start_spares)
+                    if roots.spares is not None:
+                        nursery.start_soon(roots.spares.keep)
+
             ca = await trio.to_thread.run_sync(NodeCA, config.home / "egress-ca")
             node.egress_ca_pem = ca.cert_pem
             node.issuer = await trio.to_thread.run_sync(open_issuer, config, node.durable.store)
@@ -1272,6 +1284,9 @@ async def _node_on_runtime(
             egress_metrics(node.metrics, proxy)
             node.services.start_soon(
                 "network-guard", guard, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
+            )
+            node.services.start_soon(
+                "network-spares", spares, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL
             )
             node.services.start_soon(
                 "egress-proxy", egress, policy=WATCHER_RESTARTS, give_up=Strategy.FAIL

@@ -80,13 +80,22 @@ async def _enter_both(
     stack: AsyncExitStack,
     first: AbstractAsyncContextManager[_A],
     second: AbstractAsyncContextManager[_B],
+    phases: capture.Phases | None = None,
+    names: tuple[str, str] = ("first", "second"),
 ) -> tuple[_A, _B]:
     """Enter two independent context managers onto `stack` at once; the first
-    failure is raised as it is (the other, if entered, is left on the stack)."""
+    failure is raised as it is (the other, if entered, is left on the stack).
+    With `phases`, each one's time is noted under its name in `names`."""
     got: list[Any] = [None, None]
 
     async def enter(i: int, cm: AbstractAsyncContextManager[Any]) -> None:
-        got[i] = await stack.enter_async_context(cm)
+        async def entered() -> None:
+            got[i] = await stack.enter_async_context(cm)
+
+        if phases is None:
+            await entered()
+        else:
+            await phases.timed(names[i], entered())
 
     with one_error():
         async with trio.open_nursery() as nursery:
@@ -530,8 +539,10 @@ class SandboxActor:
                     if adoption
                     else host.network.open_slot(self.policy)
                 )
-                root, slot = await _enter_both(period, root_cm, slot_cm)
-                phases.mark("root+network")
+                root, slot = await _enter_both(
+                    period, root_cm, slot_cm, phases, ("root", "network")
+                )
+                phases.skip()
                 self._slot = slot
                 self.sandbox_ip = slot.sandbox_ip
                 argv, env = envd_command(ENVD_PORT)

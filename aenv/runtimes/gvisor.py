@@ -14,8 +14,8 @@ state lives under `state_root`, shared by all sandboxes of the node, so
 `reap_stale` can find and remove everything a crashed node left behind.
 
 Memory snapshots: `GVisorSandbox.checkpoint` runs `runsc checkpoint` (in the
-same private mount namespace, which `--leave-running` needs as it restarts
-the container), `freeze`/`thaw` are the cgroup v2 freezer (`runsc
+same private mount namespace, but with `--leave-running`, which saves and
+resumes the kernel in place on runsc 20240729), `freeze`/`thaw` are the cgroup v2 freezer (`runsc
 pause`/`resume` on cgroup v1 hosts, whose freezer only pool members use), and
 `GVisorRuntime.open_restored` starts a sandbox with `runsc restore --detach`
 from a bundle written for the new spec: the restored kernel takes the new
@@ -55,6 +55,7 @@ from aenv.runtimes.base import (
     SandboxSpec,
     Usage,
 )
+from aenv.runtimes.letgo import EarlyResume
 
 __all__ = ["GVisorCheckpointError", "GVisorError", "GVisorRuntime", "GVisorSandbox"]
 
@@ -132,6 +133,9 @@ class GVisorSandbox:
     # the memory image it was restored from (None: booted), which a memory
     # image of it is packed against (`compact_image`)
     restored_from: Path | None = None
+    # inside `held`, and the resume started once its checkpoint was written
+    _holding: bool = False
+    _early_resume: EarlyResume | None = None
 
     @property
     def host_oom_killed(self) -> bool:
@@ -191,7 +195,22 @@ class GVisorSandbox:
                 args.append("--exclude-committed-zero-pages")
             if leave_running:
                 args.append("--leave-running")
-            await rt._runsc_logged(_CHECKPOINT_TIMEOUT, self.spec, *args, sandbox_id)
+            # --leave-running saves the kernel and resumes it in place (runsc
+            # 20240729: nothing is started, no network probed): without the
+            # private namespace's three processes, inside a capture's hold
+            await rt._runsc_logged(
+                _CHECKPOINT_TIMEOUT, self.spec, *args, sandbox_id, private_netfs=not leave_running
+            )
+            if self._holding and self._early_resume is None:
+                # its start-up runs while the caller copies the files (`aenv.runtimes.letgo`)
+                try:
+                    self._early_resume = await EarlyResume.start(
+                        rt._lock_file(sandbox_id),
+                        rt._command("resume", sandbox_id),
+                        self.spec.workdir / "runsc-resume.out",
+                    )
+                except OSError as e:  # (resumed the usual way)
+                    log.warning("sandbox %s: no early resume: %r", sandbox_id, e)
             if not leave_running and not await _wait_all_exit(pidfds, _CHECKPOINT_EXIT_TIMEOUT):
                 raise GVisorCheckpointError(
                     f"sandbox {sandbox_id} still runs {_CHECKPOINT_EXIT_TIMEOUT:g}s after "
@@ -280,13 +299,29 @@ class GVisorSandbox:
         await rt._runsc_logged(
             _PAUSE_TIMEOUT, self.spec, "pause", self.sandbox_id, private_netfs=False
         )
+        self._holding = True
         try:
             yield
         finally:
+            self._holding = False
+            early, self._early_resume = self._early_resume, None
             with trio.CancelScope(shield=True):
-                await rt._runsc_logged(
-                    _PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id, private_netfs=False
-                )
+                if early is None:
+                    await rt._runsc_logged(
+                        _PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id, private_netfs=False
+                    )
+                else:
+                    await self._finish_resume(early)
+
+    async def _finish_resume(self, early: EarlyResume) -> None:
+        """Let a resume started early (`EarlyResume`) go on, as `_runsc_logged` would."""
+        status = await early.finish(_PAUSE_TIMEOUT)
+        out = self.spec.workdir / "runsc-resume.out"
+        text = await trio.to_thread.run_sync(_tail, out)
+        await trio.to_thread.run_sync(_append_log, self.spec.log_path, out)
+        if status != 0:
+            what = "timed out" if status is None else f"exited {status}"
+            raise GVisorCheckpointError(f"runsc resume {self.sandbox_id} {what}: {text}")
 
     def _usage_sync(self) -> Usage:
         now = time.monotonic()
@@ -595,6 +630,10 @@ class GVisorRuntime:
 
     def _state_file(self, sandbox_id: str) -> Path:
         return self.state_root / f"{sandbox_id}_sandbox:{sandbox_id}.state"
+
+    def _lock_file(self, sandbox_id: str) -> Path:
+        """runsc's lock of the container, which each of its commands holds."""
+        return self.state_root / f"{sandbox_id}_sandbox:{sandbox_id}.lock"
 
     def _state_pidfds(self, sandbox_id: str) -> list[int]:
         """pidfds of the sandbox and gofer processes named in runsc's state file."""

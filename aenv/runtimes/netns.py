@@ -59,6 +59,7 @@ from aenv.proto.netstate import (
     shape_of_listing,
     shape_of_script,
 )
+from aenv.proto.spares import Bursts
 
 log = logging.getLogger("aenv.runtimes.netns")
 
@@ -249,6 +250,13 @@ class HostNetwork:
         self._repair_failures = 0
         self._lost = 0
         self._opened_total = 0
+        # made ahead (`keep_spares`), with the default policy, not handed out
+        # yet: open (the watchdog checks them, closing removes them), unowned
+        self._spares: deque[int] = deque()
+        self._spares_taken = 0
+        self._broken_spares: list[int] = []  # (lost while spare: removed by `keep_spares`)
+        self._spare_wanted = trio.Event()
+        self._spare_demand = Bursts(most=0, gap_s=1.0)
         self._policy_updates = 0
         self._cleanup_failures = 0
 
@@ -330,6 +338,12 @@ class HostNetwork:
     async def _open_slot(self, policy: EgressPolicy) -> AsyncIterator[NetSlot]:
         if self._closed:
             raise RuntimeError("host network is closed")
+        self._spare_demand.took(trio.current_time())
+        self._spare_wanted.set()
+        if self._spares:
+            async with self._spare(policy) as slot:
+                yield slot
+            return
         if not self._free:
             raise NoFreeSlot(f"all {self._max_slots} network slots are in use")
         slot = self._slot(self._free.popleft())
@@ -348,6 +362,71 @@ class HostNetwork:
             await self._made(slot)
             self._opened_total += 1
             yield slot
+
+    @asynccontextmanager
+    async def _spare(self, policy: EgressPolicy) -> AsyncIterator[NetSlot]:
+        """A spare slot (`keep_spares`) with `policy`, owned as `_open_slot`'s."""
+        slot = self._open[self._spares.popleft()]
+        self._spares_taken += 1
+        async with self._owned(slot):
+            if self._rules(slot, self._policies[slot.index]) != self._rules(slot, policy):
+                await self.set_policy(slot, policy)
+                self._policy_updates -= 1  # (not the caller's update)
+            self._policies[slot.index] = policy
+            self._opened_total += 1
+            yield slot
+
+    async def keep_spares(self, count: int, *, quiet_s: float = 1.0, least: int = 1) -> None:
+        """Keep slots made ahead with the default policy, until cancelled or
+        closed: `open_slot` hands one out (its rules replaced in one
+        transaction if its policy is not the default) instead of making a slot
+        (a netns, a veth pair and their addresses: four processes, and an nft
+        transaction at a time, which a fork of 20 children waits for in turn).
+        As many as the largest burst of opens seen (opens less than `quiet_s`
+        apart), at least `least`, at most `count` (`aenv.proto.spares`); made
+        one at a time once no slot was opened for `quiet_s`. A spare that
+        cannot be made is given up and tried again later."""
+        demand = self._spare_demand = Bursts(most=count, gap_s=quiet_s, least=least)
+        while not self._closed and count > 0:
+            while self._broken_spares:
+                await self._discard(self._open[self._broken_spares.pop()])
+            if len(self._spares) >= demand.target:
+                self._spare_wanted = trio.Event()
+                await self._spare_wanted.wait()
+                continue
+            if trio.current_time() < demand.refill_at:
+                await trio.sleep_until(demand.refill_at)
+                continue
+            if not self._free:
+                await trio.sleep(quiet_s)
+                continue
+            slot = self._slot(self._free.popleft())
+            self._open[slot.index] = slot
+            try:
+                await self._create(slot, EgressPolicy())
+                await self._made(slot)
+            except BaseException as exc:
+                await self._discard(slot)
+                if not isinstance(exc, Exception):
+                    raise
+                log.warning("making a spare network slot failed: %s", exc)
+                await trio.sleep(quiet_s)
+                continue
+            self._spares.append(slot.index)
+
+    async def _discard(self, slot: NetSlot) -> None:
+        """Remove a slot nobody owns (a spare); its index is free again if that worked."""
+        self._ready.discard(slot.index)
+        self._policies.pop(slot.index, None)
+        self._netns_ids.pop(slot.index, None)
+        with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
+            ok = await self._destroy(slot)
+        del self._open[slot.index]
+        if ok and not scope.cancelled_caught:
+            self._free.append(slot.index)
+        else:
+            self._cleanup_failures += 1
+            self._quarantined.add(slot.index)
 
     async def _made(self, slot: NetSlot) -> None:
         """`slot`'s netns and veth exist from now on: the watchdog checks them."""
@@ -597,6 +676,13 @@ class HostNetwork:
         return True
 
     def _lose(self, index: int, why: str) -> None:
+        if index in self._spares:  # nobody's yet: made again
+            self._spares.remove(index)
+            self._ready.discard(index)
+            self._broken_spares.append(index)
+            self._spare_wanted.set()
+            log.warning("host network: spare slot %d lost its network: %s", index, why)
+            return
         slot = self._open.get(index)
         if slot is None or index not in self._ready or self._on_lost is None:
             return  # (before `guard` runs, its first check finds the slot again)
@@ -612,6 +698,8 @@ class HostNetwork:
             "slots_free": len(self._free),
             "slots_quarantined": len(self._quarantined),
             "slots_opened_total": self._opened_total,
+            "slots_spare": len(self._spares),
+            "spares_taken_total": self._spares_taken,
             "policy_updates_total": self._policy_updates,
             "cleanup_failures_total": self._cleanup_failures,
             **{f"repairs_{what}": n for what, n in self._repairs.items()},

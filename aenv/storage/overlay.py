@@ -22,6 +22,7 @@ writes; the disk goes when the block is left, after the overlay.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -32,7 +33,8 @@ from pathlib import Path
 
 import trio
 
-from aenv.storage.disks import DiskError, disk_mounts, make_disk, remove_disk
+from aenv.storage.disks import DiskError, disk_mounts, make_disk, remove_disk, take_disk
+from aenv.storage.sparedisks import SpareDisks
 
 __all__ = [
     "MAX_MOUNT_OPTIONS",
@@ -43,6 +45,8 @@ __all__ = [
     "reap_stale_mounts",
     "unmount_root",
 ]
+
+log = logging.getLogger("aenv.overlay")
 
 # The kernel copies mount options into a single page; longer strings fail.
 MAX_MOUNT_OPTIONS = 4000
@@ -57,7 +61,12 @@ class OverlayError(RuntimeError):
 
 @asynccontextmanager
 async def open_writable_root(
-    lowers: Sequence[Path], workdir: Path, *, disk_bytes: int = 0, carried_bytes: int = 0
+    lowers: Sequence[Path],
+    workdir: Path,
+    *,
+    disk_bytes: int = 0,
+    carried_bytes: int = 0,
+    spares: SpareDisks | None = None,
 ) -> AsyncIterator[Path]:
     """Mount `lowers` (topmost first) under a fresh upper at `workdir/merged`.
 
@@ -66,15 +75,19 @@ async def open_writable_root(
     caller keeps nothing of the upper unless it moved it away first (after
     unmounting) -- snapshotting is a separate step. With `disk_bytes`, they
     are on a disk of that size mounted at `workdir`, `carried_bytes` of it
-    counted as used already (what `lowers` hold of the sandbox's own writes).
+    counted as used already (what `lowers` hold of the sandbox's own writes),
+    one of `spares` if one of that size is ready.
     """
     if not lowers:
         raise OverlayError("an overlay needs at least one lower layer")
     await trio.to_thread.run_sync(_check_empty, workdir)
     async with _owned(workdir):
         if disk_bytes > 0:
+            spare = spares.take(disk_bytes) if spares is not None else None
             try:
-                await trio.to_thread.run_sync(make_disk, workdir, disk_bytes, carried_bytes)
+                await trio.to_thread.run_sync(
+                    _make_disk, workdir, disk_bytes, carried_bytes, spare, spares
+                )
             except DiskError as exc:
                 raise OverlayError(f"the disk of {workdir}: {exc}") from None
         await trio.to_thread.run_sync(_prepare, workdir)
@@ -155,14 +168,38 @@ def reap_stale_mounts(root: Path, keep: Collection[Path] = ()) -> list[Path]:
     return stale + disks
 
 
+def _make_disk(
+    workdir: Path, size: int, carried: int, spare: Path | None, spares: SpareDisks | None
+) -> None:
+    """The disk at `workdir`: `spare` moved there, else a new one (blocking)."""
+    if spare is not None:
+        try:
+            take_disk(spare, workdir, carried)
+            return
+        except (DiskError, OSError) as exc:
+            log.warning("a spare disk could not be used (no more spares): %s", exc)
+            if spares is not None:
+                spares.count = 0
+            remove_disk(spare)
+    make_disk(workdir, size, carried)
+
+
 class OverlayRoots:
-    """Sandbox roots as overlay mounts (`aenv.node.host.WritableRoots`)."""
+    """Sandbox roots as overlay mounts (`aenv.node.host.WritableRoots`), their
+    disks taken from `spares` where one is ready."""
+
+    def __init__(self, spares: SpareDisks | None = None) -> None:
+        self.spares = spares
 
     def open_root(
         self, lowers: Sequence[Path], workdir: Path, *, disk_bytes: int = 0, carried_bytes: int = 0
     ) -> AbstractAsyncContextManager[Path]:
         return open_writable_root(
-            lowers, workdir, disk_bytes=disk_bytes, carried_bytes=carried_bytes
+            lowers,
+            workdir,
+            disk_bytes=disk_bytes,
+            carried_bytes=carried_bytes,
+            spares=self.spares,
         )
 
     def adopt_root(self, workdir: Path) -> AbstractAsyncContextManager[Path]:

@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -557,3 +557,45 @@ async def test_a_slot_opened_on_a_damaged_host_is_repaired_and_made(hostnet: Hos
         assert hostnet.repairing is False
     finally:
         sh("ip", "netns", "del", "aenvn-1", check=False)
+
+
+# -- spare slots ------------------------------------------------------------------------
+
+
+async def wait_for(check: Callable[[], bool], within_s: float = 20.0) -> None:
+    with trio.fail_after(within_s):
+        while not check():  # noqa: ASYNC110 - the host is polled
+            await trio.sleep(0.02)
+
+
+async def test_spare_slots_are_handed_out_with_the_policy_asked_for(internet: str) -> None:
+    lost: list[tuple[NetSlot, str]] = []
+    async with (
+        open_host_network(prefix=PREFIX, table=TABLE, cidr=CIDR) as hn,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(partial(hn.keep_spares, 2, quiet_s=0.05, least=2))
+        nursery.start_soon(partial(hn.guard, every_s=0.1, on_lost=lambda s, w: lost.append((s, w))))
+        await wait_for(lambda: hn.statistics()["slots_spare"] == 2)
+        made = set(netns_names())
+        async with hn.open_slot(EgressPolicy(allow_internet=False)) as closed:
+            assert closed.netns_name in made  # made before it was asked for
+            assert await probe(closed.netns_name, internet) == "blocked"
+            async with hn.open_slot(EgressPolicy()) as open_:
+                assert open_.netns_name in made
+                assert await probe(open_.netns_name, internet) == f"ok:{INET_HOST_IP}"
+                # the two take their rules along, and the spares are made again
+                await wait_for(lambda: hn.statistics()["slots_spare"] == 2)
+                assert await probe(closed.netns_name, internet) == "blocked"
+        stats = hn.statistics()
+        assert (stats["spares_taken_total"], stats["slots_opened_total"]) == (2, 2)
+        assert stats["policy_updates_total"] == 0  # (the caller made none)
+        # a spare whose veth goes is nobody's loss: it is made again
+        spare = next(i for i in range(4) if f"{PREFIX}h{i}" in link_names() and i not in (
+            closed.index, open_.index))  # fmt: skip
+        sh("ip", "link", "del", "dev", f"{PREFIX}h{spare}")
+        await wait_for(lambda: f"{PREFIX}-{spare}" not in netns_names())
+        await wait_for(lambda: hn.statistics()["slots_spare"] == 2)
+        assert lost == []
+        nursery.cancel_scope.cancel()
+    assert [x for x in leftovers() if INET_NS not in x and INET_LINK not in x] == []

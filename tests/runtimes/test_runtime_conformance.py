@@ -322,6 +322,8 @@ async def test_a_held_sandbox_is_checkpointed_and_runs_on(
         assert await driver.answers(sandbox)
         async with sandbox.held():
             await sandbox.checkpoint(image, leave_running=True)
+            # held until the block ends (gVisor's resume starts early and waits)
+            assert not await driver.answers(sandbox)
         assert any(image.iterdir())
         assert await driver.answers(sandbox)
     assert driver.leftovers() == []

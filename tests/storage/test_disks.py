@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,13 @@ import trio
 from aenv.storage.disks import MIN_FREE_BYTES, disk_image
 from aenv.storage.layers import LayerStack, LayerStore
 from aenv.storage.overlay import open_writable_root, reap_stale_mounts, unmount_root
+from aenv.storage.sparedisks import SpareDisks
 
 pytestmark = pytest.mark.runsc
 
 MIB = 1 << 20
 SIZE = 64 * MIB
+BIG = 4 * SIZE  # room for a carried SIZE and the free minimum
 
 
 @pytest.fixture(autouse=True)
@@ -128,3 +131,43 @@ async def test_reap_unmounts_leftover_disks_but_kept_ones(tmp_path: Path) -> Non
         assert (kept / "etc" / "os").read_text() == "base"
         assert len(mounts_under(sandboxes / "b")) == 2
     assert not mounts_under(tmp_path)
+
+
+async def wait_for(check: Callable[[], bool], within_s: float = 20.0) -> None:
+    with trio.fail_after(within_s):
+        while not check():  # noqa: ASYNC110 - the host is polled
+            await trio.sleep(0.02)
+
+
+async def test_a_spare_disk_becomes_a_root_of_its_own(tmp_path: Path) -> None:
+    base = lower(tmp_path)
+    spares = SpareDisks(tmp_path / "spares", size_bytes=BIG, count=2, quiet_s=0.05, least=2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spares.keep)
+        await wait_for(lambda: len(list((tmp_path / "spares").glob("*.img"))) == 2)
+        assert spares.take(SIZE) is None  # (not of the spares' size)
+        # a disk of the spares' size is one of them, moved: no mkfs on the way
+        work = tmp_path / "sbx" / "disk1"
+        async with open_writable_root(
+            [base], work, disk_bytes=BIG, carried_bytes=SIZE, spares=spares
+        ) as root:
+            assert spares.taken == 1
+            assert disk_image(work).stat().st_size == BIG
+            st = os.statvfs(root)
+            assert BIG * 0.9 < st.f_blocks * st.f_frsize < BIG * 1.1
+            assert (st.f_blocks - st.f_bfree) * st.f_frsize >= SIZE  # carried
+            (root / "etc" / "new").write_text("mine")
+            assert (work / "upper" / "etc" / "new").read_text() == "mine"
+            # ... and another sandbox's is another disk
+            async with open_writable_root(
+                [base], tmp_path / "sbx2" / "disk1", disk_bytes=BIG, spares=spares
+            ) as other:
+                assert not (other / "etc" / "new").exists()
+            written = await trio.to_thread.run_sync(fill, root / "tmp" / "big", 2 * BIG)
+            assert written < BIG - SIZE
+        assert not disk_image(work).exists() and not mounts_under(tmp_path / "sbx")
+        # made again once no disk was taken for a while
+        await wait_for(lambda: len(spares._ready) == 2)
+        nursery.cancel_scope.cancel()
+    # the spares go with their keeper
+    assert not mounts_under(tmp_path) and not (tmp_path / "spares").exists()
