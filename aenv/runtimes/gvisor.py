@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from aenv.runtimes import memvalve, pagepack
+from aenv.runtimes import memvalve, pagepack, taskvalve
 from aenv.runtimes.base import (
     CheckpointError,
     RunningSandbox,
@@ -143,6 +143,24 @@ class GVisorSandbox:
         if not self._cgroups.is_v2():
             cgroup = memvalve.Cgroup(CGROUP_ROOT / "memory" / self._cgroups.path)
             await memvalve.open_valve(cgroup, on_event)
+
+    async def guard_tasks(self, on_event: Callable[[str], None]) -> None:
+        """Until cancelled: end the guest's largest process group each time the
+        sandbox's host tasks near its limit (`aenv.runtimes.taskvalve`)."""
+        limit = self._runtime.host_tasks_limit(self.spec.memory_mb)
+        await taskvalve.watch_tasks(self._cgroups.pids_current, limit, self._signal_envd, on_event)
+
+    async def _signal_envd(self) -> None:
+        """`runsc kill` envd (the guest's pid 1) with `taskvalve`'s signal for it."""
+        cmd = self._runtime._command(
+            "kill", "--pid", "1", self.sandbox_id, str(int(taskvalve.ENVD_SIGNAL))
+        )
+        with trio.fail_after(_KILL_TIMEOUT):
+            proc = await trio.run_process(
+                cmd, capture_stdout=True, capture_stderr=True, check=False
+            )
+        if proc.returncode != 0:
+            raise GVisorError(f"runsc kill: {proc.stderr.decode(errors='replace')[-300:]}")
 
     @property
     def sandbox_id(self) -> str:
@@ -320,8 +338,11 @@ class GVisorRuntime:
         memory_headroom_mb: int = 256,
         process_limit: Callable[[int], int] | None = None,
         io_weight: int = 100,
+        tasks_limit: int | None = None,
     ) -> None:
         self.runsc = runsc
+        # host tasks (threads) of a sandbox: None for `host_tasks_limit`'s default
+        self.tasks_limit = tasks_limit
         # The host's memory limit of a sandbox is its size plus this margin
         # (at least an eighth of the size): the sentry's own memory, and room
         # for envd's OOM killer to act before the host's kills the sandbox ...
@@ -475,6 +496,8 @@ class GVisorRuntime:
         thread and guest address space, never freed, so a fork bomb grows a
         sandbox to thousands; past this the sandbox dies instead of leaving
         the host unable to fork."""
+        if self.tasks_limit is not None:
+            return self.tasks_limit
         processes = self.process_limit(memory_mb) if self.process_limit is not None else 1024
         return max(_pid_max() // 4, 8 * processes)
 
@@ -889,6 +912,14 @@ class _Cgroups:
                 if name == key:
                     return int(value)
         return 0
+
+    def pids_current(self) -> int | None:
+        """The cgroup's host tasks now (None: no cgroup, or no pids controller)."""
+        d = CGROUP_ROOT / self.path if self.is_v2() else CGROUP_ROOT / "pids" / self.path
+        try:
+            return int((d / "pids.current").read_text())
+        except (OSError, ValueError):
+            return None
 
     def set_pids_limit(self, limit: int) -> None:
         """Set the host's task limit (pids.max; best effort: a host may not have the controller)."""
