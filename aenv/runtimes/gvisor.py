@@ -67,6 +67,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # took ~124 MiB of it here at first and ~300 MiB after a minute of churn
 # (kernel memory and the sentry's own growing); 2 MiB each covers that.
 MIB_PER_PROCESS = 2
+# Host memory of one host task (thread) of a sandbox's runtime, in KiB: its
+# kernel stack and task structures, charged to the sandbox's memory cgroup
+# (~25 KiB measured: 55 MiB for 2,150 under a ptrace fork bomb). The task
+# valve acts before the tasks would outgrow the runtime's share of the headroom.
+KIB_PER_HOST_TASK = 32
 # Where the guest sees SandboxSpec.bundle; equals aenv.storage.bundle.BUNDLE_MOUNT
 # (runtimes may not import storage; a test keeps the two in step).
 BUNDLE_MOUNT = "/opt/aenv"
@@ -147,7 +152,7 @@ class GVisorSandbox:
     async def guard_tasks(self, on_event: Callable[[str], None]) -> None:
         """Until cancelled: end the guest's largest process group each time the
         sandbox's host tasks near its limit (`aenv.runtimes.taskvalve`)."""
-        limit = self._runtime.host_tasks_limit(self.spec.memory_mb)
+        limit = self._runtime.valve_tasks(self.spec.memory_mb)
         await taskvalve.watch_tasks(self._cgroups.pids_current, limit, self._signal_envd, on_event)
 
     async def _signal_envd(self) -> None:
@@ -500,6 +505,17 @@ class GVisorRuntime:
             return self.tasks_limit
         processes = self.process_limit(memory_mb) if self.process_limit is not None else 1024
         return max(_pid_max() // 4, 8 * processes)
+
+    def valve_tasks(self, memory_mb: int) -> int:
+        """The host tasks the task valve measures a sandbox of `memory_mb` against
+        (`aenv.runtimes.taskvalve`): its host limit, or fewer where the limit
+        is more than the runtime's share of its memory headroom can hold
+        (`MIB_PER_PROCESS` per process, `KIB_PER_HOST_TASK` per task)."""
+        limit = self.host_tasks_limit(memory_mb)
+        if self.process_limit is None:
+            return limit
+        budget = self.process_limit(memory_mb) * MIB_PER_PROCESS * 1024 // KIB_PER_HOST_TASK
+        return min(limit, budget)
 
     def _running(self, spec: SandboxSpec, cgroups: _Cgroups) -> GVisorSandbox:
         """The sandbox runsc runs as `spec.sandbox_id`, if it is alive (blocking)."""

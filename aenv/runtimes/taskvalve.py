@@ -38,7 +38,7 @@ log = logging.getLogger("aenv.taskvalve")
 MARK_SHARE = 0.5
 # ... and again each time the count grows by this share of it after that.
 STEP_SHARE = 1 / 16
-POLL_S = 1.0
+POLL_S = 0.5
 # What envd (pid 1) takes as "end your largest process group": the one
 # `aenv.envd.taskguard` waits for (runtimes may not import envd; a test keeps
 # the two in step).
