@@ -314,8 +314,9 @@ def test_fork_bomb_is_ended_before_the_runtimes_host_tasks_run_out() -> None:
     try:
         with sdk_pointed_at(n.url, n.api_key):
             s = Sandbox.create(TEMPLATE, timeout=600)
-            quiet = s.commands.run("sleep 600", background=True)
-            bomb = s.commands.run("timeout 90 bash -c 'b(){ b|b& }; b'", background=True)
+            quiet = s.commands.run("sleep 600", background=True, timeout=0)
+            # (the shell that starts it returns at once; its descendants fork on)
+            s.commands.run("timeout 90 bash -c 'b(){ b|b& }; b'", background=True)
             t0 = time.monotonic()
             bombs: list[int] = []
             while time.monotonic() - t0 < 60:  # envd answers throughout
@@ -324,9 +325,6 @@ def test_fork_bomb_is_ended_before_the_runtimes_host_tasks_run_out() -> None:
                 time.sleep(1)
             assert max(bombs) >= 8  # it was at it (for the first seconds) ...
             assert bombs[-1] == 0  # ... and was ended, long before its timeout
-            with pytest.raises(CommandExitException) as ended:
-                bomb.wait()
-            assert ended.value.exit_code == 137
             assert s.commands.run("echo alive").stdout.strip() == "alive"
             assert quiet.pid in [p.pid for p in s.commands.list()]  # the other command lives on
             r = httpx.get(
