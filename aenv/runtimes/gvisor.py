@@ -500,7 +500,8 @@ class GVisorRuntime:
         about one per guest thread). ptrace keeps a host thread per sentry
         thread and guest address space, never freed, so a fork bomb grows a
         sandbox to thousands; past this the sandbox dies instead of leaving
-        the host unable to fork."""
+        the host unable to fork (the task valve ends the bomb before that:
+        `valve_tasks`). `tasks_limit` (AENV_SANDBOX_HOST_TASKS) overrides it."""
         if self.tasks_limit is not None:
             return self.tasks_limit
         processes = self.process_limit(memory_mb) if self.process_limit is not None else 1024
