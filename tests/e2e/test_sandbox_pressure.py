@@ -300,8 +300,8 @@ def test_all_three_hogs_for_minutes_under_systrap() -> None:
 def test_fork_bomb_is_ended_before_the_runtimes_host_tasks_run_out() -> None:
     # Under ptrace the runtime keeps a host thread per guest address space and
     # sentry thread, never freed: a bomb grows the sandbox's host tasks until
-    # its pids.max kills it (here 4,096, reached in ~40 s; the default, 8,192 on
-    # this host, in ~2 minutes). The node signals envd at half of it, which ends
+    # its pids.max kills it (here 4,096: without the valve dead within ~15 s; the
+    # default, 8,192 on this host, in ~2 minutes). The node signals envd at half of it, which ends
     # the largest process group; the sandbox and its other processes live on.
     built = built_home()
     assert built is not None
