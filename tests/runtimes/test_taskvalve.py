@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import trio
 
+from aenv.config import Config
 from aenv.envd import taskguard
 from aenv.runtimes import taskvalve
 from aenv.runtimes.taskvalve import first_mark, step
@@ -64,3 +68,11 @@ async def test_a_failed_signal_is_tried_at_the_next_mark(autojump_clock: trio.ab
 
     await taskvalve.watch_tasks(lambda: next(counts), 8192, signal_guest, lambda _: None)
     assert len(tries) == 2
+
+
+def test_the_host_task_limit_is_read_from_the_environment(tmp_path: Path) -> None:
+    home = {"AENV_HOME": str(tmp_path)}
+    assert Config.from_env(home).host_tasks_limit is None  # the runtime's default
+    assert Config.from_env({**home, "AENV_SANDBOX_HOST_TASKS": "4096"}).host_tasks_limit == 4096
+    with pytest.raises(ValueError, match="AENV_SANDBOX_HOST_TASKS must be at least 256"):
+        Config.from_env({**home, "AENV_SANDBOX_HOST_TASKS": "100"})
