@@ -103,6 +103,11 @@ class Config:
     # (AENV_PROCESS_LIMIT): past it fork/clone fail with EAGAIN inside. None:
     # one per 4 MiB of the sandbox's memory, at least 128 (128 for 512 MiB).
     process_limit: int | None = None
+    # Host tasks (threads of its runtime) a sandbox may hold (AENV_SANDBOX_HOST_TASKS,
+    # pids.max). None: a quarter of the host's kernel.pid_max, at least 8 per
+    # process of the process limit. envd ends the guest's largest process group
+    # from half of it on (`aenv.runtimes.taskvalve`).
+    host_tasks_limit: int | None = None
     # How far above its size a sandbox's host memory limit is (AENV_MEMORY_HEADROOM_MB;
     # at least an eighth of the size): the runtime's own memory and the room the
     # in-sandbox OOM killer acts in before the host would kill the whole sandbox.
@@ -361,6 +366,7 @@ class Config:
             kw["on_stop"] = value
         for name, attr, least in (
             ("AENV_PROCESS_LIMIT", "process_limit", 16),
+            ("AENV_SANDBOX_HOST_TASKS", "host_tasks_limit", 256),
             ("AENV_MEMORY_HEADROOM_MB", "memory_headroom_mb", 64),
         ):
             if env.get(name):

@@ -18,10 +18,13 @@ after the other:
    sampling, so the result shows that all three really ran at once.
 
 It prints p50/p95 of both and their ratio (issue 17 aims at <= 1.5x), checks
-that the hog sandbox is still usable after, and writes
+that the hog sandbox is still usable after, records its host task count
+(pids.current) every 5 s and the task valve's entries in its logs, and writes
 bench/results/pressure-<timestamp>.json. Needs root and runsc.
 
     .venv/bin/python bench/pressure.py [--n 60] [--template base]
+
+The node's runsc platform is `AENV_RUNSC_PLATFORM` (default ptrace).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +59,9 @@ RESULTS = REPO / "bench" / "results"
 # How long the hogs run: the loaded sampling fits inside (they are still running after it).
 HOGS_S = 150
 CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
+CGROUP_PIDS = Path("/sys/fs/cgroup/pids")
+# How often the hog sandbox's host task count is read.
+TASKS_EVERY_S = 5.0
 _COUNT = (
     "import os, sys\n"
     "bombs = 0\n"
@@ -127,6 +134,25 @@ def host_memory(sandbox_id: str) -> dict[str, int]:
     return found
 
 
+def host_tasks(sandbox_id: str) -> int | None:
+    """The hog sandbox's host tasks now (its pids cgroup, v1), None once it is gone."""
+    try:
+        path = CGROUP_PIDS / os.environ["AENV_TEST_NET_PREFIX"] / sandbox_id / "pids.current"
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def follow_tasks(
+    sandbox_id: str, series: list[tuple[float, int | None]], stop: threading.Event
+) -> None:
+    """Append (seconds since the hogs started, host tasks) until `stop`."""
+    t0 = time.monotonic()
+    while not stop.is_set():
+        series.append((round(time.monotonic() - t0, 1), host_tasks(sandbox_id)))
+        stop.wait(TASKS_EVERY_S)
+
+
 def stats(samples: list[float]) -> dict[str, Any]:
     qs = statistics.quantiles(samples, n=100, method="inclusive")
     return {
@@ -168,6 +194,13 @@ def main() -> int:
             try:
                 sample(quiet, 5)  # warm the connection and the sandbox
                 base = sample(quiet, args.n)
+                tasks_idle = host_tasks(hog.sandbox_id)
+                stop = threading.Event()
+                series: list[tuple[float, int | None]] = []
+                follower = threading.Thread(
+                    target=follow_tasks, args=(hog.sandbox_id, series, stop), daemon=True
+                )
+                follower.start()
                 for command, user in hogs():
                     hog.commands.run(command, background=True, user=user)
                 time.sleep(5)  # let all three reach their limits
@@ -183,6 +216,8 @@ def main() -> int:
                     alive = hog.commands.run("echo alive", user="root", timeout=120).stdout.strip()
                 except Exception as exc:  # the host killed it: the answer says why
                     alive = str(exc)[:300]
+                stop.set()
+                follower.join()
                 logs = (
                     httpx.get(
                         f"{node.url}/v2/sandboxes/{hog.sandbox_id}/logs",
@@ -192,6 +227,7 @@ def main() -> int:
                     .get("logs", [])
                 )  # (none for a sandbox that died)
                 kills = sum("out of memory" in str(e["message"]) for e in logs)
+                task_valve = [str(e["message"]) for e in logs if "host tasks" in str(e["message"])]
                 detail = httpx.get(
                     f"{node.url}/sandboxes/{hog.sandbox_id}",
                     headers={"X-API-Key": node.api_key},
@@ -204,6 +240,7 @@ def main() -> int:
         result = {
             "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "template": args.template,
+            "platform": os.environ.get("AENV_RUNSC_PLATFORM", "ptrace"),
             "quiet": stats(base),
             "hogs": stats(loaded),
             "hog_sandbox_alive_after": alive == "alive",
@@ -215,6 +252,11 @@ def main() -> int:
             "hogs_after_sampling": after,
             "all_hogs_ran_together": together(before, after),
             "host_cgroup": host,
+            # the hog sandbox's host tasks (threads of its runtime): idle, then
+            # (seconds since the hogs started, count) every TASKS_EVERY_S
+            "host_tasks_idle": tasks_idle,
+            "host_tasks": series,
+            "task_valve": task_valve,
         }
         result["ratio_p50"] = round(result["hogs"]["p50_ms"] / result["quiet"]["p50_ms"], 2)
         result["ratio_p95"] = round(result["hogs"]["p95_ms"] / result["quiet"]["p95_ms"], 2)

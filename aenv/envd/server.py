@@ -26,6 +26,7 @@ from aenv.envd.app import EnvdApp
 from aenv.envd.guard import DEFAULT_PROCESS_LIMIT, reap_orphans, watch_memory
 from aenv.envd.spawner import SpawnerClient, fork_spawner
 from aenv.envd.state import EnvdState
+from aenv.envd.taskguard import end_largest_group_on_signal
 
 DEFAULT_PORT = 49983
 log = logging.getLogger("aenv.envd")
@@ -144,6 +145,7 @@ async def serve_envd(
         if guard:
             state.process_limit = DEFAULT_PROCESS_LIMIT
             services.start_soon(lambda: watch_memory(spare=app.process.spawner_pids))
+            services.start_soon(end_largest_group_on_signal, app.process.spawner_pids)
             services.start_soon(reap_orphans, app.process.live.keys, lambda: app.process.spawning)
         config = hypercorn_config(host, port, access_log=access_log)
         trigger = _wait_for_signal if handle_signals else None

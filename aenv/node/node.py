@@ -1214,6 +1214,7 @@ async def _open_node(config: Config, *, prefix: str, slot_cidr: str) -> AsyncIte
         cgroup_parent=prefix,
         memory_headroom_mb=config.memory_headroom_mb,
         process_limit=config.process_limit_for,
+        tasks_limit=config.host_tasks_limit,
     )
     spares = SpareDisks(
         config.sandboxes_dir / ".spare-disks",

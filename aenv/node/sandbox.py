@@ -1219,6 +1219,9 @@ class SandboxActor:
             guard = getattr(running, "guard_memory", None)  # (gVisor on cgroup v1 hosts)
             if guard is not None:
                 nursery.start_soon(guard, self._on_memory_valve)
+            tasks = getattr(running, "guard_tasks", None)  # (gVisor)
+            if tasks is not None:
+                nursery.start_soon(tasks, self._on_task_valve)
             while self.lifecycle.state is lc.State.RUNNING:
                 deadline = self.lifecycle.deadline
                 assert deadline is not None
@@ -1234,6 +1237,9 @@ class SandboxActor:
         if message.startswith(memvalve.LIMIT_REACHED):
             self._memory_limit_at = trio.current_time()
         self._log(message, level="warn", event="memory-valve")
+
+    def _on_task_valve(self, message: str) -> None:
+        self._log(message, level="warn", event="task-valve")
 
     def _on_oom_kill(self, kill: OomKill) -> None:
         self._log(kill.describe(), level="warn", event="oom-kill", pid=str(kill.pid))

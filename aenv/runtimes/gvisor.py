@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from aenv.runtimes import memvalve, pagepack
+from aenv.runtimes import memvalve, pagepack, taskvalve
 from aenv.runtimes.base import (
     CheckpointError,
     RunningSandbox,
@@ -68,6 +68,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # took ~124 MiB of it here at first and ~300 MiB after a minute of churn
 # (kernel memory and the sentry's own growing); 2 MiB each covers that.
 MIB_PER_PROCESS = 2
+# Host memory of one host task (thread) of a sandbox's runtime, in KiB: its
+# kernel stack and task structures, charged to the sandbox's memory cgroup
+# (~25 KiB measured: 55 MiB for 2,150 under a ptrace fork bomb). The task
+# valve acts before the tasks would outgrow the runtime's share of the headroom.
+KIB_PER_HOST_TASK = 32
 # Where the guest sees SandboxSpec.bundle; equals aenv.storage.bundle.BUNDLE_MOUNT
 # (runtimes may not import storage; a test keeps the two in step).
 BUNDLE_MOUNT = "/opt/aenv"
@@ -147,6 +152,24 @@ class GVisorSandbox:
         if not self._cgroups.is_v2():
             cgroup = memvalve.Cgroup(CGROUP_ROOT / "memory" / self._cgroups.path)
             await memvalve.open_valve(cgroup, on_event)
+
+    async def guard_tasks(self, on_event: Callable[[str], None]) -> None:
+        """Until cancelled: end the guest's largest process group each time the
+        sandbox's host tasks near its limit (`aenv.runtimes.taskvalve`)."""
+        limit = self._runtime.valve_tasks(self.spec.memory_mb)
+        await taskvalve.watch_tasks(self._cgroups.pids_current, limit, self._signal_envd, on_event)
+
+    async def _signal_envd(self) -> None:
+        """`runsc kill` envd (the guest's pid 1) with `taskvalve`'s signal for it."""
+        cmd = self._runtime._command(
+            "kill", "--pid", "1", self.sandbox_id, str(int(taskvalve.ENVD_SIGNAL))
+        )
+        with trio.fail_after(_KILL_TIMEOUT):
+            proc = await trio.run_process(
+                cmd, capture_stdout=True, capture_stderr=True, check=False
+            )
+        if proc.returncode != 0:
+            raise GVisorError(f"runsc kill: {proc.stderr.decode(errors='replace')[-300:]}")
 
     @property
     def sandbox_id(self) -> str:
@@ -355,8 +378,11 @@ class GVisorRuntime:
         memory_headroom_mb: int = 256,
         process_limit: Callable[[int], int] | None = None,
         io_weight: int = 100,
+        tasks_limit: int | None = None,
     ) -> None:
         self.runsc = runsc
+        # host tasks (threads) of a sandbox: None for `host_tasks_limit`'s default
+        self.tasks_limit = tasks_limit
         # The host's memory limit of a sandbox is its size plus this margin
         # (at least an eighth of the size): the sentry's own memory, and room
         # for envd's OOM killer to act before the host's kills the sandbox ...
@@ -509,9 +535,23 @@ class GVisorRuntime:
         about one per guest thread). ptrace keeps a host thread per sentry
         thread and guest address space, never freed, so a fork bomb grows a
         sandbox to thousands; past this the sandbox dies instead of leaving
-        the host unable to fork."""
+        the host unable to fork (the task valve ends the bomb before that:
+        `valve_tasks`). `tasks_limit` (AENV_SANDBOX_HOST_TASKS) overrides it."""
+        if self.tasks_limit is not None:
+            return self.tasks_limit
         processes = self.process_limit(memory_mb) if self.process_limit is not None else 1024
         return max(_pid_max() // 4, 8 * processes)
+
+    def valve_tasks(self, memory_mb: int) -> int:
+        """The host tasks the task valve measures a sandbox of `memory_mb` against
+        (`aenv.runtimes.taskvalve`): its host limit, or fewer where the limit
+        is more than the runtime's share of its memory headroom can hold
+        (`MIB_PER_PROCESS` per process, `KIB_PER_HOST_TASK` per task)."""
+        limit = self.host_tasks_limit(memory_mb)
+        if self.process_limit is None:
+            return limit
+        budget = self.process_limit(memory_mb) * MIB_PER_PROCESS * 1024 // KIB_PER_HOST_TASK
+        return min(limit, budget)
 
     def _running(self, spec: SandboxSpec, cgroups: _Cgroups) -> GVisorSandbox:
         """The sandbox runsc runs as `spec.sandbox_id`, if it is alive (blocking)."""
@@ -928,6 +968,14 @@ class _Cgroups:
                 if name == key:
                     return int(value)
         return 0
+
+    def pids_current(self) -> int | None:
+        """The cgroup's host tasks now (None: no cgroup, or no pids controller)."""
+        d = CGROUP_ROOT / self.path if self.is_v2() else CGROUP_ROOT / "pids" / self.path
+        try:
+            return int((d / "pids.current").read_text())
+        except (OSError, ValueError):
+            return None
 
     def set_pids_limit(self, limit: int) -> None:
         """Set the host's task limit (pids.max; best effort: a host may not have the controller)."""

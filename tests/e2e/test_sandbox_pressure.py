@@ -294,3 +294,45 @@ def test_all_three_hogs_for_minutes_under_systrap() -> None:
     finally:
         stop_node(n)
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_fork_bomb_is_ended_before_the_runtimes_host_tasks_run_out() -> None:
+    # Under ptrace the runtime keeps a host thread per guest address space and
+    # sentry thread, never freed: a bomb grows the sandbox's host tasks until
+    # its pids.max kills it (here 4,096: without the valve dead within ~15 s; the
+    # default, 8,192 on this host, in ~2 minutes). The node signals envd at half of it, which ends
+    # the largest process group; the sandbox and its other processes live on.
+    built = built_home()
+    assert built is not None
+    home = Path(tempfile.mkdtemp(prefix="aenv-test-tasks-"))
+    link_home(built, home)
+    env = {"AENV_SANDBOX_HOST_TASKS": "4096", "AENV_NET_PREFIX": "", "AENV_SLOT_CIDR": ""}
+    n = start_node(
+        home, api_key="aenv_test_" + secrets.token_hex(8), log_path=home / "node.log", extra_env=env
+    )
+    try:
+        with sdk_pointed_at(n.url, n.api_key):
+            s = Sandbox.create(TEMPLATE, timeout=600)
+            quiet = s.commands.run("sleep 600", background=True, timeout=0)
+            # (the shell that starts it returns at once; its descendants fork on)
+            s.commands.run("timeout 90 bash -c 'b(){ b|b& }; b'", background=True)
+            t0 = time.monotonic()
+            bombs: list[int] = []
+            while time.monotonic() - t0 < 60:  # envd answers throughout
+                r = s.commands.run("pgrep -c -u user bash || true", user="root", timeout=60)
+                bombs.append(int(r.stdout.strip() or 0))
+                time.sleep(1)
+            assert max(bombs) >= 8  # it was at it (for the first seconds) ...
+            assert bombs[-1] == 0  # ... and was ended, long before its timeout
+            assert s.commands.run("echo alive").stdout.strip() == "alive"
+            assert quiet.pid in [p.pid for p in s.commands.list()]  # the other command lives on
+            r = httpx.get(
+                f"{n.url}/v2/sandboxes/{s.sandbox_id}/logs", headers={"X-API-Key": n.api_key}
+            )
+            events = [e for e in r.json()["logs"] if "host tasks near" in str(e["message"])]
+            assert events and "of 4096" in str(events[0]["message"])
+            s.kill()
+    finally:
+        stop_node(n)
+        shutil.rmtree(home, ignore_errors=True)

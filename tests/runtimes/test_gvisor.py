@@ -325,6 +325,13 @@ def test_host_tasks_are_a_share_of_the_hosts_pids(tmp_path: Path) -> None:
     assert rt.host_tasks_limit(512) == max(pid_max // 4, 8 * 128)
     # never below what systrap needs for the guest's own limit
     assert rt.host_tasks_limit(1 << 20) == max(pid_max // 4, 8 * (1 << 18))
+    # the task valve measures against what the memory headroom holds, if less
+    share = 128 * gvisor.MIB_PER_PROCESS * 1024 // gvisor.KIB_PER_HOST_TASK
+    assert rt.valve_tasks(512) == min(rt.host_tasks_limit(512), share)
+    # an operator's limit (AENV_SANDBOX_HOST_TASKS)
+    set_by_hand = GVisorRuntime(state_root=tmp_path, process_limit=lambda _: 128, tasks_limit=2048)
+    assert set_by_hand.host_tasks_limit(512) == 2048
+    assert set_by_hand.valve_tasks(512) == 2048
 
 
 async def test_reap_stale_after_node_crash(
