@@ -248,7 +248,7 @@ def test_all_three_hogs_for_minutes_under_systrap() -> None:
     # The default-suite test above runs them for 25 s under the session node's
     # platform; here for minutes, on a node of its own with systrap (under ptrace
     # the runtime's host threads grow with every new process and are never freed;
-    # there the task valve ends the bomb before they run out: the slow test above
+    # there the task valve ends the bomb before they run out: the slow test below
     # and docs/performance.md). The host's memory limit is reached now and then:
     # the relief valve lets envd act instead of the host killing the sandbox.
     built = built_home()
