@@ -46,7 +46,7 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,19 +118,24 @@ def orphans(zombies: set[int], earlier: set[int], managed: Collection[int]) -> s
     return {pid for pid in zombies & earlier if pid not in managed}
 
 
-def read_zombies(parent: int, proc: Path = Path("/proc")) -> set[int]:
-    """The PIDs of `parent`'s children that are zombies (blocking; cheap)."""
-    found: set[int] = set()
+def proc_stats(proc: Path = Path("/proc")) -> Iterator[tuple[int, str]]:
+    """(pid, /proc/<pid>/stat) of every process still there when read (blocking)."""
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            yield int(entry.name), (entry / "stat").read_text()
         except OSError:
             continue
+
+
+def read_zombies(parent: int, proc: Path = Path("/proc")) -> set[int]:
+    """The PIDs of `parent`'s children that are zombies (blocking; cheap)."""
+    found: set[int] = set()
+    for pid, stat in proc_stats(proc):
         fields = stat.rsplit(")", 1)[-1].split()
         if len(fields) > 1 and fields[0] == "Z" and fields[1] == str(parent):
-            found.add(int(entry.name))
+            found.add(pid)
     return found
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import trio
 
+from aenv.envd.guard import proc_stats
+
 SIGNAL = signal.SIGUSR2
 # Only a group at least this large is ended: once a bomb is gone the runtime's
 # tasks still grow a little with ordinary use (what it holds is never freed),
@@ -65,18 +67,12 @@ def read_members(proc: Path = Path("/proc")) -> list[tuple[int, int, str]]:
     """(pid, pgid, name) of every process, zombies included (they hold their
     slot until collected; blocking, stat is one short line)."""
     found: list[tuple[int, int, str]] = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
+    for pid, stat in proc_stats(proc):
         head, _, rest = stat.rpartition(")")
         fields = rest.split()
         if len(fields) < 3 or not fields[2].lstrip("-").isdigit():
             continue
-        found.append((int(entry.name), int(fields[2]), head.partition("(")[2][:64]))
+        found.append((pid, int(fields[2]), head.partition("(")[2][:64]))
     return found
 
 

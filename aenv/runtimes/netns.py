@@ -415,7 +415,8 @@ class HostNetwork:
             self._spares.append(slot.index)
 
     async def _discard(self, slot: NetSlot) -> None:
-        """Remove a slot nobody owns (a spare); its index is free again if that worked."""
+        """Remove a slot (a spare, or one whose owner is done with it); its index is
+        free again if that worked. The watchdog neither checks nor restores it."""
         self._ready.discard(slot.index)
         self._policies.pop(slot.index, None)
         self._netns_ids.pop(slot.index, None)
@@ -425,8 +426,10 @@ class HostNetwork:
         if ok and not scope.cancelled_caught:
             self._free.append(slot.index)
         else:
+            # Never hand out an index whose leftovers might still exist.
             self._cleanup_failures += 1
             self._quarantined.add(slot.index)
+            log.error("network slot %d not fully removed; quarantined", slot.index)
 
     async def _made(self, slot: NetSlot) -> None:
         """`slot`'s netns and veth exist from now on: the watchdog checks them."""
@@ -441,20 +444,7 @@ class HostNetwork:
         try:
             yield
         finally:
-            # the watchdog neither checks nor restores what is being removed
-            self._ready.discard(slot.index)
-            self._policies.pop(slot.index, None)
-            self._netns_ids.pop(slot.index, None)
-            with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
-                ok = await self._destroy(slot)
-            del self._open[slot.index]
-            if ok and not scope.cancelled_caught:
-                self._free.append(slot.index)
-            else:
-                # Never hand out an index whose leftovers might still exist.
-                self._cleanup_failures += 1
-                self._quarantined.add(slot.index)
-                log.error("network slot %d not fully removed; quarantined", slot.index)
+            await self._discard(slot)
 
     async def _create(self, slot: NetSlot, policy: EgressPolicy) -> None:
         host_cidr = f"{slot.host_ip}/{slot.prefix_len}"
