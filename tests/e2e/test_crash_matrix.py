@@ -106,7 +106,8 @@ CASES: dict[str, Callable[[], None]] = {
 
 
 def _sandbox_dirs(home: Path) -> list[str]:
-    return sorted(p.name for p in (home / "sandboxes").iterdir())
+    """The sandboxes' directories (not the node's own: its spare disks)."""
+    return sorted(p.name for p in (home / "sandboxes").iterdir() if not p.name.startswith("."))
 
 
 @pytest.mark.parametrize("point", list(CASES))
