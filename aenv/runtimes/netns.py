@@ -369,17 +369,19 @@ class HostNetwork:
         slot = self._open[self._spares.popleft()]
         self._spares_taken += 1
         async with self._owned(slot):
-            if self._rules(slot, self._policies[slot.index]) != self._rules(slot, policy):
-                await self.set_policy(slot, policy)
-                self._policy_updates -= 1  # (not the caller's update)
+            # its rules written again in one transaction whatever the policy: the
+            # host's network may have been damaged since the spare was made (the
+            # table flushed, say), and a create mends what it finds (`set_policy`)
+            await self.set_policy(slot, policy)
+            self._policy_updates -= 1  # (not the caller's update)
             self._policies[slot.index] = policy
             self._opened_total += 1
             yield slot
 
     async def keep_spares(self, count: int, *, quiet_s: float = 1.0, least: int = 1) -> None:
         """Keep slots made ahead with the default policy, until cancelled or
-        closed: `open_slot` hands one out (its rules replaced in one
-        transaction if its policy is not the default) instead of making a slot
+        closed: `open_slot` hands one out (its rules written again in one
+        transaction, mending what was damaged meanwhile) instead of making a slot
         (a netns, a veth pair and their addresses: four processes, and an nft
         transaction at a time, which a fork of 20 children waits for in turn).
         As many as the largest burst of opens seen (opens less than `quiet_s`

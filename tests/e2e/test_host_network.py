@@ -209,7 +209,8 @@ def test_a_restarted_node_takes_its_sandboxes_back_under_the_same_names(nodes: N
 
 def test_the_node_repairs_its_network_under_running_sandboxes(nodes: Nodes) -> None:
     home = nodes.home("w")
-    n = nodes.start(home, AENV_NETWORK_CHECK_INTERVAL="0.3")
+    # (no spare slots: the slots' numbers are the test's)
+    n = nodes.start(home, AENV_NETWORK_CHECK_INTERVAL="0.3", AENV_START_SPARES="0")
     p = prefix_of(home)
     s1 = create(n)
     assert run(s1, "up") == "up"
@@ -258,7 +259,8 @@ def test_the_node_repairs_its_network_under_running_sandboxes(nodes: Nodes) -> N
 
 def test_a_create_mends_what_it_can_and_says_what_it_cannot(nodes: Nodes) -> None:
     home = nodes.home("c")
-    n = nodes.start(home, AENV_NETWORK_CHECK_INTERVAL="3600")  # no watchdog pass in the test
+    # no watchdog pass in the test, and no spare slot: the next slot's number is the test's
+    n = nodes.start(home, AENV_NETWORK_CHECK_INTERVAL="3600", AENV_START_SPARES="0")
     p = prefix_of(home)
     headers = {"X-API-Key": n.api_key}
     body = {"templateID": "busybox", "timeout": 120}
@@ -286,3 +288,16 @@ def test_a_create_mends_what_it_can_and_says_what_it_cannot(nodes: Nodes) -> Non
     assert run(s2, "next") == "next"
     s1.kill()
     s2.kill()
+
+
+def test_a_create_from_a_spare_slot_mends_the_host_network_too(nodes: Nodes) -> None:
+    home = nodes.home("m")
+    n = nodes.start(home, AENV_NETWORK_CHECK_INTERVAL="3600")  # no watchdog pass
+    p = prefix_of(home)
+    until("a spare slot is made", lambda: f"{p}-0" in netns_names())
+    sh("nft", "delete", "table", "inet", p)  # the spare's rules go with it
+    s1 = create(n)
+    assert metric(n, 'aenv_host_network_repairs_total{what="table"}') == 1
+    assert chain_rules(p, "slot0") == 6
+    assert run(s1, "mended") == "mended"
+    s1.kill()
