@@ -302,17 +302,13 @@ class Cluster:
         return None if moved is None else moved.as_peer()
 
     def _unclaimed_here(self, sandbox_id: str) -> bool:
-        """This node has the sandbox but no claim on it while it may serve."""
-        own = self.ownership
-        if own is None or not own.may_serve() or own.grant(sandbox_id) is not None:
-            return False
-        if not self.doubtful(sandbox_id):
-            return False
+        """This node has the sandbox but may not serve it before the store says
+        whose it is (a doubtful copy with no claim: `runs_here` is False)."""
         try:
             self.node.get(sandbox_id)
         except SandboxNotFound:
             return False
-        return True
+        return not self.runs_here(sandbox_id)
 
     def placement(self, body: bytes) -> Sequence[Peer]:
         template, memory_mb, volumes = _template_of(body)

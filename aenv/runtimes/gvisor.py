@@ -969,19 +969,21 @@ class _Cgroups:
                     return int(value)
         return 0
 
+    def _pids_dir(self) -> Path:
+        """The cgroup's directory in the pids controller."""
+        return CGROUP_ROOT / self.path if self.is_v2() else CGROUP_ROOT / "pids" / self.path
+
     def pids_current(self) -> int | None:
         """The cgroup's host tasks now (None: no cgroup, or no pids controller)."""
-        d = CGROUP_ROOT / self.path if self.is_v2() else CGROUP_ROOT / "pids" / self.path
         try:
-            return int((d / "pids.current").read_text())
+            return int((self._pids_dir() / "pids.current").read_text())
         except (OSError, ValueError):
             return None
 
     def set_pids_limit(self, limit: int) -> None:
         """Set the host's task limit (pids.max; best effort: a host may not have the controller)."""
-        d = CGROUP_ROOT / self.path if self.is_v2() else CGROUP_ROOT / "pids" / self.path
         with contextlib.suppress(OSError):
-            (d / "pids.max").write_text(str(limit))
+            (self._pids_dir() / "pids.max").write_text(str(limit))
 
     def set_io_weight(self, weight: int) -> bool:
         """Set the I/O weight (1..1000 on v1's scale) where the host has one; False if not."""

@@ -49,11 +49,16 @@ def first_mark(limit: int) -> int:
     return max(1, int(limit * MARK_SHARE))
 
 
+def mark_after(current: int, limit: int) -> int:
+    """The next mark once the count is `current`: a step of the limit above it."""
+    return current + max(1, int(limit * STEP_SHARE))
+
+
 def step(current: int, limit: int, mark: int) -> tuple[bool, int]:
     """(signal envd now, the next mark) at `current` host tasks of `limit`."""
     if current < mark:
         return False, mark
-    return True, current + max(1, int(limit * STEP_SHARE))
+    return True, mark_after(current, limit)
 
 
 async def watch_tasks(
@@ -66,7 +71,7 @@ async def watch_tasks(
     envd each time the host task count passes a mark (`step`)."""
     # (what a sandbox taken over or restored holds already is no reason to act)
     first = await trio.to_thread.run_sync(read_current)
-    mark = max(first_mark(limit), (first or 0) + max(1, int(limit * STEP_SHARE)))
+    mark = max(first_mark(limit), mark_after(first or 0, limit))
     while True:
         current = await trio.to_thread.run_sync(read_current)
         if current is None:
