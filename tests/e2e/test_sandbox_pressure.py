@@ -44,6 +44,39 @@ pytestmark = [requires_node, pytest.mark.runsc]
 TEMPLATE = os.environ.get("AENV_TEST_TEMPLATE", "base")
 
 
+# Two hogs, each a loop counting its rounds in a file: memory (each round killed
+# by the sandbox's OOM killer) and disk (filled to ENOSPC, then emptied).
+MEMORY_HOG = (
+    "i=0; while true; do python3 -c 'x = bytearray(2*1024**3)'; i=$((i+1)); "
+    "echo $i > /var/tmp/mem; done"
+)
+DISK_HOG = (
+    "i=0; while true; do dd if=/dev/zero of=/home/user/fill bs=1M 2>/dev/null; "
+    "rm -f /home/user/fill; i=$((i+1)); echo $i > /var/tmp/disk; done"
+)
+
+
+def _memory_and_disk_hogs(s: Sandbox, seconds: int) -> None:
+    """Start both hogs as root in the background, each ending after `seconds`."""
+    for loop in (MEMORY_HOG, DISK_HOG):
+        s.commands.run(
+            f"timeout {seconds} sh -c {shlex.quote(loop)} >/dev/null 2>&1",
+            background=True,
+            user="root",
+        )
+
+
+def _kill_the_users_processes(s: Sandbox, timeout: float) -> None:
+    """Kill every process of `user`, until none is left (a fork bomb forks
+    again between pkill's reads)."""
+    with contextlib.suppress(CommandExitException):
+        s.commands.run(
+            "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
+            user="root",
+            timeout=timeout,
+        )
+
+
 @pytest.fixture
 def sbx(node: NodeProc) -> Iterator[Sandbox]:
     s = Sandbox.create(TEMPLATE, timeout=300)
@@ -119,13 +152,7 @@ def test_fork_bomb_meets_the_process_limit(sbx: Sandbox) -> None:
     assert 64 <= busiest <= 128  # it was at it, up to the limit
     assert "Resource temporarily unavailable" in sbx.files.read("/tmp/bomb.log")
     # once it is killed the sandbox is as usable as before
-    with contextlib.suppress(CommandExitException):
-        # (until none is left: a bomb forks again between pkill's reads)
-        sbx.commands.run(
-            "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
-            user="root",
-            timeout=60,
-        )
+    _kill_the_users_processes(sbx, timeout=60)
     assert sbx.commands.run("echo ok").stdout.strip() == "ok"
 
 
@@ -135,20 +162,10 @@ def test_fork_bomb_memory_hog_and_disk_writer_at_once(node: NodeProc, sbx: Sandb
     # host's limit, so the process limit, envd's OOM killer and the disk's size act
     # first and the sandbox lives on
     hogs_s = 25
-    mem = "i=0; while true; do python3 -c 'x = bytearray(2*1024**3)'; i=$((i+1)); echo $i > /var/tmp/mem; done"
-    disk = (
-        "i=0; while true; do dd if=/dev/zero of=/home/user/fill bs=1M 2>/dev/null; "
-        "rm -f /home/user/fill; i=$((i+1)); echo $i > /var/tmp/disk; done"
-    )
     sbx.commands.run(
         f"timeout {hogs_s} bash -c 'b(){{ b|b& }}; b' >/dev/null 2>&1", background=True
     )
-    for loop in (mem, disk):
-        sbx.commands.run(
-            f"timeout {hogs_s} sh -c {shlex.quote(loop)} >/dev/null 2>&1",
-            background=True,
-            user="root",
-        )
+    _memory_and_disk_hogs(sbx, hogs_s)
     t0 = time.monotonic()
     bombs = 0
     while time.monotonic() - t0 < hogs_s:  # envd answers throughout
@@ -262,30 +279,15 @@ def test_all_three_hogs_for_minutes_under_systrap() -> None:
     try:
         with sdk_pointed_at(n.url, n.api_key):
             s = Sandbox.create(TEMPLATE, timeout=900)
-            mem = "i=0; while true; do python3 -c 'x = bytearray(2*1024**3)'; i=$((i+1)); echo $i > /var/tmp/mem; done"
-            disk = (
-                "i=0; while true; do dd if=/dev/zero of=/home/user/fill bs=1M 2>/dev/null; "
-                "rm -f /home/user/fill; i=$((i+1)); echo $i > /var/tmp/disk; done"
-            )
             s.commands.run("bash -c 'b(){ b|b& }; b' >/dev/null 2>&1", background=True)
-            for loop in (mem, disk):
-                s.commands.run(
-                    f"timeout {hogs_s} sh -c {shlex.quote(loop)} >/dev/null 2>&1",
-                    background=True,
-                    user="root",
-                )
+            _memory_and_disk_hogs(s, hogs_s)
             t0 = time.monotonic()
             rounds: list[list[str]] = []
             while time.monotonic() - t0 < hogs_s:
                 time.sleep(20)
                 r = s.commands.run("cat /var/tmp/mem /var/tmp/disk", user="root", timeout=120)
                 rounds.append(r.stdout.split())
-            with contextlib.suppress(CommandExitException):
-                s.commands.run(
-                    "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
-                    user="root",
-                    timeout=120,
-                )
+            _kill_the_users_processes(s, timeout=120)
             assert s.commands.run("echo alive").stdout.strip() == "alive"
             # both hogs went on to the end, one round after another
             assert int(rounds[-1][0]) > int(rounds[len(rounds) // 2][0]) > int(rounds[0][0])
