@@ -153,6 +153,8 @@ def main() -> int:
     ap.add_argument("--template", default="base")
     ap.add_argument("--home", type=Path, help="built home (default $AENV_TEST_HOME)")
     args = ap.parse_args()
+    if args.n < 2:
+        ap.error("--n must be at least 2 (its percentiles need two samples)")
     home = bench_home(ap, args.home)
     interrupt_on_sigterm()
     private = Path(tempfile.mkdtemp(prefix="aenv-bench-pressure-"))
