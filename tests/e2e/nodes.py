@@ -1,13 +1,13 @@
-"""Real nodes, one at a time, sharing one S3 store (moto), for the e2e tests.
+"""Real nodes, one at a time, for the e2e tests: alone, or sharing one S3 store (moto).
 
-`open_nodes(root, s3, monkeypatch, ...)` yields a `Nodes`: each node name
-gets a private home under `root` linked to the built one; `start(name)`
-starts a node there against the store (under a prefix of its own) on the
-suite's netns prefix and slot range, and points the e2b SDK
-(E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY) at it. On leaving it stops the
-node left running and fails on whatever of the nodes leaked. Used by
-test_durable.py and test_cold_restore.py; `wait_storage` also serves the
-session node (test_snapshots.py).
+`OneNode` starts one node at a time on a home and points the e2b SDK at it
+(test_restart.py's `Restartable` adds its one home). `Nodes` (a context
+manager) gives each node name a private home under `root` linked to the
+built one; `start(name)` starts a node there against the S3 store (under a
+prefix of its own) on the suite's netns prefix and slot range. On leaving
+it stops the node left running and fails on whatever of the nodes leaked.
+Used by test_durable.py and test_cold_restore.py; `wait_storage` also
+serves the session node (test_snapshots.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import secrets
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,52 +42,19 @@ def wait_storage(url: str, api_key: str, snapshot_id: str, want: str, limit: flo
         time.sleep(0.2)
 
 
-class Nodes:
-    """Nodes sharing one S3 store; each home is private. The SDK points at the current node."""
+class OneNode:
+    """One node at a time, started on a home and stopped at will; the e2b SDK
+    (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY) points at the current node."""
 
-    def __init__(
-        self,
-        root: Path,
-        s3: MotoS3,
-        monkeypatch: pytest.MonkeyPatch,
-        *,
-        net_prefix: str,
-        cidr: str,
-        store_prefix: str,
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.root = root
-        self.s3 = s3
-        self.net_prefix = net_prefix
-        self.cidr = cidr
-        self.prefix = f"{store_prefix}/{secrets.token_hex(4)}"
-        self.env = dict(env or {})
+    post_timeout: float = 300  # seconds: a create or a snapshot, on a busy machine
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.key = "k" + secrets.token_hex(8)
         self.monkeypatch = monkeypatch
         self.node: NodeProc | None = None
-        self.homes: list[Path] = []
 
-    def home(self, name: str) -> Path:
-        home = self.root / name
-        if not home.exists():
-            home.mkdir()
-            built = built_home()
-            assert built is not None
-            link_home(built, home)
-            self.homes.append(home)
-        return home
-
-    def start(self, name: str, **extra: str) -> NodeProc:
-        home = self.home(name)
-        env = {
-            "AENV_NET_PREFIX": self.net_prefix,
-            "AENV_SLOT_CIDR": self.cidr,
-            **self.s3.env(),
-            "AENV_STORE_URL": self.s3.url(self.prefix),
-            "AENV_SHARE_DEFAULT_TEMPLATES": "off",  # not what these tests are about
-            **self.env,
-            **extra,
-        }
+    def run(self, home: Path, env: dict[str, str]) -> NodeProc:
+        """Start a node on `home` with `env` (its log: home/node.log) and point the SDK at it."""
         n = start_node(home, api_key=self.key, log_path=home / "node.log", extra_env=env)
         for var, value in (("E2B_API_URL", n.url), ("E2B_SANDBOX_URL", n.url)):
             self.monkeypatch.setenv(var, value)
@@ -110,12 +76,75 @@ class Nodes:
     def post(self, path: str, body: object = None) -> httpx.Response:
         assert self.node is not None
         return httpx.post(
-            self.node.url + path, json=body, headers={"X-API-Key": self.key}, timeout=300
+            self.node.url + path,
+            json=body,
+            headers={"X-API-Key": self.key},
+            timeout=self.post_timeout,
         )
 
     def delete(self, path: str) -> httpx.Response:
         assert self.node is not None
         return httpx.delete(self.node.url + path, headers={"X-API-Key": self.key}, timeout=60)
+
+
+class Nodes(OneNode):
+    """Nodes sharing one S3 store, each on a private home linked to the built
+    one, one at a time. As a context manager: on leaving, the node left running
+    is stopped and nothing of any of them (runsc processes, mounts, netns) may
+    be left."""
+
+    def __init__(
+        self,
+        root: Path,
+        s3: MotoS3,
+        monkeypatch: pytest.MonkeyPatch,
+        *,
+        net_prefix: str,
+        cidr: str,
+        store_prefix: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(monkeypatch)
+        self.root = root
+        self.s3 = s3
+        self.net_prefix = net_prefix
+        self.cidr = cidr
+        self.prefix = f"{store_prefix}/{secrets.token_hex(4)}"
+        self.env = dict(env or {})
+        self.homes: list[Path] = []
+
+    def __enter__(self) -> Nodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.node is not None:
+            with contextlib.suppress(Exception):
+                self.stop()
+        for home in self.homes:
+            left = leaks(home, self.net_prefix)
+            assert not left, left
+
+    def home(self, name: str) -> Path:
+        home = self.root / name
+        if not home.exists():
+            home.mkdir()
+            built = built_home()
+            assert built is not None
+            link_home(built, home)
+            self.homes.append(home)
+        return home
+
+    def start(self, name: str, **extra: str) -> NodeProc:
+        env = {
+            "AENV_NET_PREFIX": self.net_prefix,
+            "AENV_SLOT_CIDR": self.cidr,
+            **self.s3.env(),
+            "AENV_STORE_URL": self.s3.url(self.prefix),
+            "AENV_SHARE_DEFAULT_TEMPLATES": "off",  # not what these tests are about
+            **self.env,
+            **extra,
+        }
+        return self.run(self.home(name), env)
 
     def snapshot(self, sandbox_id: str, **body: Any) -> dict[str, Any]:
         r = self.post(f"/sandboxes/{sandbox_id}/snapshots", body)
@@ -161,30 +190,3 @@ class Nodes:
 
     def overwrite(self, key: str, data: bytes) -> None:
         self.s3.boto().put_object(Bucket=self.s3.bucket, Key=f"{self.prefix}/{key}", Body=data)
-
-
-@contextlib.contextmanager
-def open_nodes(
-    root: Path,
-    s3: MotoS3,
-    monkeypatch: pytest.MonkeyPatch,
-    *,
-    net_prefix: str,
-    cidr: str,
-    store_prefix: str,
-    env: dict[str, str] | None = None,
-) -> Iterator[Nodes]:
-    """`Nodes` for one test; on leaving, the node left running is stopped and
-    nothing of any of them (runsc processes, mounts, netns) may be left."""
-    n = Nodes(
-        root, s3, monkeypatch, net_prefix=net_prefix, cidr=cidr, store_prefix=store_prefix, env=env
-    )
-    try:
-        yield n
-    finally:
-        if n.node is not None:
-            with contextlib.suppress(Exception):
-                n.stop()
-        for home in n.homes:
-            left = leaks(home, net_prefix)
-            assert not left, left

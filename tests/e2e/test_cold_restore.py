@@ -26,7 +26,7 @@ from e2b import Sandbox
 # ruff: noqa: F811
 from tests.conftest import requires_node
 from tests.e2e.counter import COUNTER, count, counts_on
-from tests.e2e.nodes import Nodes, open_nodes
+from tests.e2e.nodes import Nodes
 from tests.s3 import MotoS3, s3_faulty  # noqa: F401
 
 pytestmark = [requires_node, pytest.mark.runsc]
@@ -37,7 +37,7 @@ CIDR = os.environ.get("AENV_TEST_COLD_CIDR", "10.218.0.0/16")
 
 @pytest.fixture
 def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, s3_faulty: MotoS3) -> Iterator[Nodes]:
-    with open_nodes(
+    with Nodes(
         tmp_path, s3_faulty, monkeypatch, net_prefix=PREFIX, cidr=CIDR, store_prefix="cold"
     ) as n:
         yield n

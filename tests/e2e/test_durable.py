@@ -31,7 +31,7 @@ from e2b.exceptions import SandboxException
 from aenv.storage.memimage import unpack_map
 from tests.conftest import requires_node
 from tests.e2e.counter import COUNTER, count, counts_on
-from tests.e2e.nodes import Nodes, open_nodes
+from tests.e2e.nodes import Nodes
 from tests.s3 import MotoS3, s3_faulty  # noqa: F401
 
 pytestmark = [requires_node, pytest.mark.runsc]
@@ -45,7 +45,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, s3_faulty: MotoS3) -> Iterator[Nodes]:
-    with open_nodes(
+    with Nodes(
         tmp_path,
         s3_faulty,
         monkeypatch,
