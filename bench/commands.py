@@ -62,8 +62,11 @@ from bench.run import (  # noqa: E402
     NODE_TAG,
     RESULTS,
     SLOT_CIDR,
+    Interrupted,
     Series,
     _sdk_env,
+    bench_home,
+    interrupt_on_sigterm,
     loadavg,
     percentile,
 )
@@ -247,23 +250,25 @@ def main(argv: list[str] | None = None) -> int:
         help="measure the homes in turn this many times (samples pooled)",
     )
     args = p.parse_args(argv)
-    homes = [
-        h.resolve()
-        for h in args.home or [Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")]
-    ]
+    homes = [bench_home(p, h) for h in args.home or [None]]
+    interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     load_start = loadavg()
     runs: dict[str, dict[str, Series]] = {}
-    for _ in range(args.rounds):
-        for home in homes:
-            label = str(home)
-            print(f"{label}: n={args.n} ...", flush=True)
-            got = measure_home(home, args.template, args.n)
-            if label not in runs:
-                runs[label] = got
-            else:
-                for key, series in got.items():
-                    runs[label][key].samples += series.samples
+    try:
+        for _ in range(args.rounds):
+            for home in homes:
+                label = str(home)
+                print(f"{label}: n={args.n} ...", flush=True)
+                got = measure_home(home, args.template, args.n)
+                if label not in runs:
+                    runs[label] = got
+                else:
+                    for key, series in got.items():
+                        runs[label][key].samples += series.samples
+    except (KeyboardInterrupt, Interrupted):
+        print("interrupted; cleaned up", file=sys.stderr)
+        return 130
     print(table(runs))
     load_end = loadavg()
     print(f"\nload average {load_start} at start, {load_end} at end; {os.cpu_count()} CPUs")

@@ -37,7 +37,6 @@ import platform
 import re
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -67,8 +66,10 @@ from bench.run import (  # noqa: E402
     _describe,
     _sdk_env,
     _warm_up,
+    bench_home,
     envd_rootfs,
     floor_network,
+    interrupt_on_sigterm,
     loadavg,
     percentile,
     run,
@@ -375,16 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out that node")  # fmt: skip
     p.add_argument("--home", type=Path)
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        p.error("must run as root (runsc, network namespaces)")
-    home = (
-        args.home or Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")
-    ).resolve()
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    home = bench_home(p, args.home)
+    interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     load_start = loadavg()
     work = Path(tempfile.mkdtemp(prefix="aenv-bench-creates-"))

@@ -33,7 +33,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -43,7 +42,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.run import Interrupted, _sdk_env, _warm_up, loadavg, runsc_version  # noqa: E402
+from bench.run import (  # noqa: E402
+    Interrupted,
+    _sdk_env,
+    _warm_up,
+    bench_home,
+    interrupt_on_sigterm,
+    loadavg,
+    runsc_version,
+)
 from tests.conftest import leaks, link_home, start_node, stop_node  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -423,16 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the node")
     p.add_argument("--home", type=Path)
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        p.error("must run as root (runsc, network namespaces)")
-    home = (
-        args.home or Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")
-    ).resolve()
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    home = bench_home(p, args.home)
+    interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     report: dict[str, Any] = {
         "started": started.isoformat(),

@@ -46,7 +46,6 @@ import platform
 import re
 import secrets
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -75,8 +74,10 @@ from bench.run import (  # noqa: E402
     _describe,
     _sdk_env,
     _warm_up,
+    bench_home,
     envd_rootfs,
     floor_network,
+    interrupt_on_sigterm,
     loadavg,
     percentile,
     run,
@@ -444,19 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.n <= 1000 or not 0 <= args.n20 <= 100:
         p.error("--n must be in 1..1000 and --n20 in 0..100")
-    if os.geteuid() != 0:
-        p.error("must run as root (runsc, network namespaces)")
-    home = (
-        args.home or Path(os.environ.get("AENV_TEST_HOME") or REPO / ".state/test-home")
-    ).resolve()
-    if not (home / "bundle").is_dir() or not (home / "templates").is_dir():
-        p.error(f"{home} has no bundle/ and templates/; build it with `make test-artefacts`")
+    home = bench_home(p, args.home)
     config = Config.from_env()
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     load_start = loadavg()
     floor_res: dict[str, Series] = {}

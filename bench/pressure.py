@@ -22,7 +22,7 @@ that the hog sandbox is still usable after, records its host task count
 (pids.current) every 5 s and the task valve's entries in its logs, and writes
 bench/results/pressure-<timestamp>.json. Needs root and runsc.
 
-    .venv/bin/python bench/pressure.py [--n 60] [--template base]
+    .venv/bin/python bench/pressure.py [--n 60] [--template base] [--home DIR]
 
 The node's runsc platform is `AENV_RUNSC_PLATFORM` (default ptrace).
 """
@@ -53,6 +53,7 @@ os.environ.setdefault("AENV_TEST_SLOT_CIDR", "10.224.0.0/16")
 import httpx  # noqa: E402
 from e2b import Sandbox  # noqa: E402
 
+from bench.run import Interrupted, bench_home, interrupt_on_sigterm  # noqa: E402
 from tests.conftest import leaks, link_home, sdk_pointed_at, start_node, stop_node  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -176,10 +177,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--n", type=int, default=60)
     ap.add_argument("--template", default="base")
-    ap.add_argument("--home", default=os.environ.get("AENV_TEST_HOME", ".state/test-home"))
+    ap.add_argument("--home", type=Path, help="built home (default $AENV_TEST_HOME)")
     args = ap.parse_args()
+    if args.n < 2:
+        ap.error("--n must be at least 2 (its percentiles need two samples)")
+    home = bench_home(ap, args.home)
+    interrupt_on_sigterm()
     private = Path(tempfile.mkdtemp(prefix="aenv-bench-pressure-"))
-    link_home(Path(args.home), private)
+    link_home(home, private)
     node = start_node(
         private,
         api_key="aenv_bench_" + secrets.token_hex(8),
@@ -260,6 +265,9 @@ def main() -> int:
         }
         result["ratio_p50"] = round(result["hogs"]["p50_ms"] / result["quiet"]["p50_ms"], 2)
         result["ratio_p95"] = round(result["hogs"]["p95_ms"] / result["quiet"]["p95_ms"], 2)
+    except (KeyboardInterrupt, Interrupted):
+        print("interrupted; cleaned up", file=sys.stderr)
+        return 130
     finally:
         stop_node(node)
         left = leaks(private)

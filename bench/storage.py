@@ -28,8 +28,10 @@ One run starts moto's S3 server on loopback (tests/s3.py) and measures:
 It prints p50/p95 and writes JSON to bench/results/storage-<timestamp>.json.
 Nodes use their own netns prefix and slot range (AENV_BENCH_NET_PREFIX,
 AENV_BENCH_SLOT_CIDR to run beside another benchmark), are stopped with SIGTERM,
-and temp homes are removed, also when a step fails. Needs root, runsc and
-AENV_TEST_HOME (or --home) built by `make test` for the node part.
+and temp homes are removed, also when a step fails or SIGTERM stops it. The
+node part needs root, runsc and a built home (--home, else AENV_TEST_HOME,
+else .state/test-home; `make test-artefacts`); --skip-nodes measures only
+the store's throughput.
 
     .venv/bin/python bench/storage.py [--n 3] [--mb 64] [--data-mb 16] [--home DIR]
 """
@@ -66,6 +68,7 @@ from aenv.storage.snapstore import (  # noqa: E402
     materialise_layer,
     upload_snapshot,
 )
+from bench.run import Interrupted, bench_home, interrupt_on_sigterm  # noqa: E402
 from tests.conftest import NodeProc, leaks, link_home, start_node, stop_node  # noqa: E402
 from tests.s3 import MotoS3  # noqa: E402
 
@@ -317,16 +320,18 @@ def resume(
     }
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--n", type=int, default=3)
     ap.add_argument("--mb", type=int, default=64, help="MiB of layer files and of image each")
     ap.add_argument("--data-mb", type=int, default=16, help="MiB of file data in the sandbox")
-    ap.add_argument("--home", type=Path, default=os.environ.get("AENV_TEST_HOME"))
+    ap.add_argument("--home", type=Path, help="built home (default $AENV_TEST_HOME)")
     ap.add_argument("--skip-nodes", action="store_true", help="throughput only")
     ap.add_argument("--skip-throughput", action="store_true", help="resume only")
     ap.add_argument("--skip-eager", action="store_true", help="no cold_eager samples")
     args = ap.parse_args()
+    home = None if args.skip_nodes else bench_home(ap, args.home)
+    interrupt_on_sigterm()
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
     s3 = MotoS3(bucket="aenv-bench")
     s3.start()
@@ -341,10 +346,8 @@ def main() -> None:
                 f"upload p50 {tp['upload_mib_s']['p50']:.1f} MiB/s, "
                 f"download p50 {tp['download_mib_s']['p50']:.1f} MiB/s"
             )
-        if not args.skip_nodes and args.home:
-            out["resume"] = resume(
-                Path(args.home), s3, work, args.n, args.data_mb, skip_eager=args.skip_eager
-            )
+        if home is not None:
+            out["resume"] = resume(home, s3, work, args.n, args.data_mb, skip_eager=args.skip_eager)
             rs = out["resume"]
             print(
                 f"snapshot with {args.data_mb} MiB of data durable in {rs['snapshot_durable_s']}s "
@@ -367,6 +370,9 @@ def main() -> None:
                     for k, st in rs[f"{kind}_parts_s"].items()
                 )
                 print(f"  {kind} p50 by part (s): {parts}")
+    except (KeyboardInterrupt, Interrupted):
+        print("interrupted; cleaned up", file=sys.stderr)
+        return 130
     finally:
         s3.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -375,7 +381,8 @@ def main() -> None:
     path = RESULTS / f"storage-{stamp}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"results: {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -204,10 +204,17 @@ def stop_node(node: NodeProc, sig: int = signal.SIGTERM, timeout: float = 60) ->
         raise
 
 
-def leaks(home: Path, prefix: str = NET_PREFIX) -> list[str]:
+def leaks(home: Path, prefix: str | None = NET_PREFIX) -> list[str]:
+    """What a stopped node on `home` left: runsc processes and mounts under it and,
+    with its netns `prefix` (None: a prefix the node derived itself), namespaces,
+    links, nftables tables and cgroups."""
     found: list[str] = []
     ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     found += [line for line in ps.splitlines() if "runsc" in line and str(home) in line]
+    mounts = Path("/proc/mounts").read_text()
+    found += [f"mount {line}" for line in mounts.splitlines() if str(home) in line]
+    if prefix is None:
+        return found
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     found += [f"netns {line}" for line in netns.splitlines() if line.startswith(prefix + "-")]
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -216,8 +223,6 @@ def leaks(home: Path, prefix: str = NET_PREFIX) -> list[str]:
     ]
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
     found += [f"nft {line}" for line in tables.splitlines() if line.split()[-1:] == [prefix]]
-    mounts = Path("/proc/mounts").read_text()
-    found += [f"mount {line}" for line in mounts.splitlines() if str(home) in line]
     cgroups = Path("/sys/fs/cgroup")  # the node's cgroup parent, v2 or any v1 hierarchy
     found += [f"cgroup {p}" for p in [cgroups / prefix, *cgroups.glob(f"*/{prefix}")] if p.is_dir()]
     return found
@@ -246,29 +251,44 @@ requires_node = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="session")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
+@contextlib.contextmanager
+def private_node(
+    env: dict[str, str] | None = None, *, leak_prefix: str | None = NET_PREFIX
+) -> Iterator[NodeProc]:
+    """A node of its own, the e2b SDK pointed at it, on a private home whose
+    bundle and templates link to the built ones (a node clears its home's
+    sandboxes at start, so two runs must never share one; it lives outside
+    pytest's basetemp, which another pytest run on the machine may rotate away).
+    On leaving, the node must stop cleanly and leave nothing (`leaks`, on
+    `leak_prefix`), and its home is removed."""
     home = built_home()
     if home is None or os.geteuid() != 0:
         pytest.skip("needs root and AENV_TEST_HOME built by `make test`")
-    # A private home whose bundle and templates link to the built ones: a node
-    # clears its home's sandboxes at start, so two runs must never share one.
-    # (outside pytest's basetemp, which another pytest run on the machine may rotate away)
     private = Path(tempfile.mkdtemp(prefix="aenv-test-node-"))
     link_home(home, private)
-    log_path = private / "node.log"
-    n = start_node(private, api_key="aenv_test_" + secrets.token_hex(8), log_path=log_path)
+    n = start_node(
+        private,
+        api_key="aenv_test_" + secrets.token_hex(8),
+        log_path=private / "node.log",
+        extra_env=env,
+    )
     try:
         with sdk_pointed_at(n.url, n.api_key):
             yield n
     finally:
         code = stop_node(n)
-        left = leaks(private)
+        left = leaks(private, leak_prefix)
         if code != 0 or left:
             print(n.log_tail(), file=sys.stderr)
         assert code == 0, f"node exited with {code}"
         assert not left, f"node left behind: {left}"
         shutil.rmtree(private, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def node() -> Iterator[NodeProc]:
+    with private_node() as n:
+        yield n
 
 
 @pytest.fixture(scope="session")

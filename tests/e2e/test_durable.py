@@ -1,7 +1,9 @@
 """Durable snapshots in an S3 store, with real nodes, moto's S3 server and the e2b SDK.
 
-Rules: each test runs its own nodes (private homes linked to the built one,
-their own netns prefix and slot range) against its own moto server on
+Rules: each test runs its own nodes (tests/e2e/nodes.py: private homes
+linked to the built one, their own netns prefix and slot range,
+AENV_TEST_DURABLE_PREFIX / AENV_TEST_DURABLE_CIDR to run beside another
+suite) against its own moto server on
 loopback (tests/s3.py), configured only through AENV_STORE_URL and the
 AWS_* variables; faults are injected by killing that server mid-upload and
 by overwriting stored objects behind the node's back. A snapshot must be
@@ -12,18 +14,14 @@ nothing behind. Nothing of the nodes may leak at the end.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
-import secrets
+import os
 import shutil
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 from e2b import Sandbox, Template
 from e2b.exceptions import SandboxException
@@ -31,147 +29,32 @@ from e2b.exceptions import SandboxException
 # Fixtures are imported by name, so test parameters shadow them (F811).
 # ruff: noqa: F811
 from aenv.storage.memimage import unpack_map
-from tests.conftest import (
-    NodeProc,
-    built_home,
-    leaks,
-    link_home,
-    requires_node,
-    start_node,
-    stop_node,
-)
+from tests.conftest import requires_node
 from tests.e2e.counter import COUNTER, count, counts_on
+from tests.e2e.nodes import Nodes
 from tests.s3 import MotoS3, s3_faulty  # noqa: F401
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
-PREFIX = "aenvo"
-ENV = {"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": "10.230.0.0/16"}
+# AENV_TEST_DURABLE_PREFIX / _CIDR: another pair for a run beside another suite
+PREFIX = os.environ.get("AENV_TEST_DURABLE_PREFIX", "aenvo")
+CIDR = os.environ.get("AENV_TEST_DURABLE_CIDR", "10.230.0.0/16")
 TEMPLATE = "busybox"
 MiB = 1 << 20
 
 
-class Nodes:
-    """Nodes sharing one S3 store; each home is private. The SDK points at the current node."""
-
-    def __init__(self, root: Path, s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.root = root
-        self.s3 = s3
-        self.prefix = f"durable/{secrets.token_hex(4)}"
-        self.key = "k" + secrets.token_hex(8)
-        self.monkeypatch = monkeypatch
-        self.node: NodeProc | None = None
-        self.homes: list[Path] = []
-
-    def home(self, name: str) -> Path:
-        home = self.root / name
-        if not home.exists():
-            home.mkdir()
-            built = built_home()
-            assert built is not None
-            link_home(built, home)
-            self.homes.append(home)
-        return home
-
-    def start(self, name: str, **extra: str) -> NodeProc:
-        home = self.home(name)
-        env = {
-            **ENV,
-            **self.s3.env(),
-            "AENV_STORE_URL": self.s3.url(self.prefix),
-            "AENV_STORE_GC_GRACE": "0",
-            "AENV_SHARE_DEFAULT_TEMPLATES": "off",  # not what these tests are about
-            **extra,
-        }
-        n = start_node(home, api_key=self.key, log_path=home / "node.log", extra_env=env)
-        for var, value in (("E2B_API_URL", n.url), ("E2B_SANDBOX_URL", n.url)):
-            self.monkeypatch.setenv(var, value)
-        self.monkeypatch.setenv("E2B_API_KEY", self.key)
-        self.node = n
-        return n
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        assert self.node is not None
-        code = stop_node(self.node, sig)
-        if sig == signal.SIGTERM:
-            assert code == 0, self.node.log_tail()
-        self.node = None
-
-    def get(self, path: str) -> httpx.Response:
-        assert self.node is not None
-        return httpx.get(self.node.url + path, headers={"X-API-Key": self.key}, timeout=30)
-
-    def post(self, path: str, body: object = None) -> httpx.Response:
-        assert self.node is not None
-        return httpx.post(
-            self.node.url + path, json=body, headers={"X-API-Key": self.key}, timeout=300
-        )
-
-    def delete(self, path: str) -> httpx.Response:
-        assert self.node is not None
-        return httpx.delete(self.node.url + path, headers={"X-API-Key": self.key}, timeout=60)
-
-    def snapshot(self, sandbox_id: str, **body: Any) -> dict[str, Any]:
-        r = self.post(f"/sandboxes/{sandbox_id}/snapshots", body)
-        assert r.status_code == 201, r.text
-        return dict(r.json())
-
-    def storage(self, snapshot_id: str) -> str:
-        r = self.get(f"/snapshots/{snapshot_id}")
-        assert r.status_code == 200, r.text
-        return str(r.json()["storage"])
-
-    def wait_storage(self, snapshot_id: str, want: str, limit: float = 90) -> None:
-        deadline = time.monotonic() + limit
-        while (got := self.storage(snapshot_id)) != want:
-            assert time.monotonic() < deadline, f"{snapshot_id} still {got}, not {want}"
-            time.sleep(0.2)
-
-    # -- the store, behind the node's back --------------------------------------------
-
-    def objects(self, under: str) -> dict[str, int]:
-        """{key below the store prefix: size} of the objects under `under`."""
-        client = self.s3.boto()
-        out: dict[str, int] = {}
-        token: dict[str, str] = {}
-        while True:
-            got = client.list_objects_v2(
-                Bucket=self.s3.bucket, Prefix=f"{self.prefix}/{under}", **token
-            )
-            for o in got.get("Contents", []):
-                out[o["Key"][len(self.prefix) + 1 :]] = int(o["Size"])
-            if not got.get("IsTruncated"):
-                return out
-            token = {"ContinuationToken": got["NextContinuationToken"]}
-
-    def wait_template(self, template_id: str, why: str, limit: float = 120) -> None:
-        deadline = time.monotonic() + limit
-        while f"templates/{template_id}.json" not in self.objects("templates/"):
-            assert time.monotonic() < deadline, why
-            time.sleep(0.2)
-
-    def manifest(self, snapshot_id: str) -> dict[str, Any]:
-        body = self.s3.boto().get_object(
-            Bucket=self.s3.bucket, Key=f"{self.prefix}/snapshots/{snapshot_id}.json"
-        )["Body"]
-        return dict(json.loads(body.read()))
-
-    def overwrite(self, key: str, data: bytes) -> None:
-        self.s3.boto().put_object(Bucket=self.s3.bucket, Key=f"{self.prefix}/{key}", Body=data)
-
-
 @pytest.fixture
 def nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, s3_faulty: MotoS3) -> Iterator[Nodes]:
-    n = Nodes(tmp_path, s3_faulty, monkeypatch)
-    try:
+    with Nodes(
+        tmp_path,
+        s3_faulty,
+        monkeypatch,
+        net_prefix=PREFIX,
+        cidr=CIDR,
+        store_prefix="durable",
+        env={"AENV_STORE_GC_GRACE": "0"},
+    ) as n:
         yield n
-    finally:
-        if n.node is not None:
-            with contextlib.suppress(Exception):
-                n.stop()
-        for home in n.homes:
-            left = leaks(home, PREFIX)
-            assert not left, left
 
 
 def _blob_key(digest: str) -> str:

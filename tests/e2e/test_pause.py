@@ -22,7 +22,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 from tests.conftest import NodeProc, requires_node
 from tests.e2e.counter import COUNTER, count, counts_on
 from tests.e2e.sequences import KEPT, SEQUENCES, answers
-from tests.e2e.test_restart import PREFIX, Restartable, node_home  # noqa: F401 (fixture)
+from tests.e2e.test_restart import PREFIX, Restartable, _on_disk, node_home  # noqa: F401 (fixture)
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -238,13 +238,7 @@ def _to_disk_and_back(r: Restartable, s: Sandbox) -> None:
     running = s.commands.run("sleep 1000", background=True, stdin=True)
     s.files.write("/home/user/kept.txt", KEPT)
     s.pause()
-    deadline = time.monotonic() + 30
-    while True:
-        d = r.get(f"/sandboxes/{sid}").json()
-        if d["state"] == "paused" and not d["pausedInMemory"]:
-            break
-        assert time.monotonic() < deadline, f"not written to disk: {d}"
-        time.sleep(0.2)
+    _on_disk(r, sid)
     again = Sandbox.connect(sid)
     answers(again)
     assert running.pid in {p.pid for p in again.commands.list()}
@@ -280,13 +274,7 @@ def test_a_hibernated_sandbox_is_stored_as_its_difference_from_its_template(
         s.pause()
         # in memory (frozen) first, also after a resume from disk
         assert r.get(f"/sandboxes/{sid}").json()["pausedInMemory"] is True
-        deadline = time.monotonic() + 30
-        while True:
-            d = r.get(f"/sandboxes/{sid}").json()
-            if d["state"] == "paused" and not d["pausedInMemory"]:
-                break
-            assert time.monotonic() < deadline, f"not written to disk: {d}"
-            time.sleep(0.2)
+        _on_disk(r, sid)
         images = [p for p in (r.home / "sandboxes" / sid).glob("image*") if p.is_dir()]
         assert len(images) == 1, images
         files = {p.name: p.stat().st_size for p in images[0].iterdir()}

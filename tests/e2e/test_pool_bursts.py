@@ -17,11 +17,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import secrets
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -29,13 +27,8 @@ from e2b import Sandbox
 
 from tests.conftest import (
     NodeProc,
-    built_home,
-    leaks,
-    link_home,
+    private_node,
     requires_node,
-    sdk_pointed_at,
-    start_node,
-    stop_node,
 )
 
 pytestmark = [requires_node, pytest.mark.runsc, pytest.mark.slow]
@@ -47,29 +40,11 @@ SLOT_CIDR = os.environ.get("AENV_TEST_POOL_CIDR", "10.217.0.0/16")
 
 
 @pytest.fixture(scope="module")
-def pool_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
-    built = built_home()
-    assert built is not None
-    work = tmp_path_factory.mktemp("pool")
-    private = work / "home"
-    private.mkdir()
-    link_home(built, private)
-    node = start_node(
-        private,
-        api_key="aenv_test_" + secrets.token_hex(8),
-        log_path=work / "node.log",
-        extra_env={"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": SLOT_CIDR,
-                   "AENV_POOL_SIZE": "1", "AENV_POOL_MAX": str(BURST),
-                   "AENV_POOL_HALF_LIFE": "20"},
-    )  # fmt: skip
-    try:
-        with sdk_pointed_at(node.url, node.api_key):
-            yield node
-    finally:
-        code = stop_node(node)
-        left = leaks(Path(private), prefix=PREFIX)
-        assert code == 0, node.log_tail(40)
-        assert not left, left
+def pool_node() -> Iterator[NodeProc]:
+    env = {"AENV_NET_PREFIX": PREFIX, "AENV_SLOT_CIDR": SLOT_CIDR,
+           "AENV_POOL_SIZE": "1", "AENV_POOL_MAX": str(BURST), "AENV_POOL_HALF_LIFE": "20"}  # fmt: skip
+    with private_node(env, leak_prefix=PREFIX) as node:
+        yield node
 
 
 def _ready(node: NodeProc) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
 import subprocess
 import threading
@@ -28,10 +27,9 @@ from tests.conftest import (
     leaks,
     link_home,
     requires_node,
-    start_node,
-    stop_node,
 )
 from tests.e2e.counter import COUNTER, count, counts_on
+from tests.e2e.nodes import OneNode
 from tests.registry import LocalRegistry, push_busybox
 
 pytestmark = [requires_node, pytest.mark.runsc]
@@ -49,42 +47,18 @@ ENV = {
 TEMPLATE = "busybox"
 
 
-class Restartable:
+class Restartable(OneNode):
     """One node home, started and stopped at will; the SDK points at the current node."""
 
+    post_timeout = 120
+
     def __init__(self, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__(monkeypatch)
         self.home = home
         self.env = dict(ENV)
-        self.key = "k" + secrets.token_hex(8)
-        self.monkeypatch = monkeypatch
-        self.node: NodeProc | None = None
 
     def start(self) -> NodeProc:
-        n = start_node(
-            self.home, api_key=self.key, log_path=self.home / "node.log", extra_env=self.env
-        )
-        for var, value in (("E2B_API_URL", n.url), ("E2B_SANDBOX_URL", n.url)):
-            self.monkeypatch.setenv(var, value)
-        self.monkeypatch.setenv("E2B_API_KEY", self.key)
-        self.node = n
-        return n
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        assert self.node is not None
-        code = stop_node(self.node, sig)
-        if sig == signal.SIGTERM:
-            assert code == 0, self.node.log_tail()
-        self.node = None
-
-    def get(self, path: str) -> httpx.Response:
-        assert self.node is not None
-        return httpx.get(self.node.url + path, headers={"X-API-Key": self.key}, timeout=30)
-
-    def post(self, path: str, body: object = None) -> httpx.Response:
-        assert self.node is not None
-        return httpx.post(
-            self.node.url + path, json=body, headers={"X-API-Key": self.key}, timeout=120
-        )
+        return self.run(self.home, self.env)
 
 
 @pytest.fixture

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,17 +28,46 @@ from e2b.exceptions import NotFoundException, SandboxException
 from tests.conftest import (
     NET_PREFIX,
     NodeProc,
-    built_home,
-    link_home,
+    private_node,
     requires_node,
-    sdk_pointed_at,
-    start_node,
-    stop_node,
 )
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
 TEMPLATE = os.environ.get("AENV_TEST_TEMPLATE", "base")
+
+
+# Two hogs, each a loop counting its rounds in a file: memory (each round killed
+# by the sandbox's OOM killer) and disk (filled to ENOSPC, then emptied).
+MEMORY_HOG = (
+    "i=0; while true; do python3 -c 'x = bytearray(2*1024**3)'; i=$((i+1)); "
+    "echo $i > /var/tmp/mem; done"
+)
+DISK_HOG = (
+    "i=0; while true; do dd if=/dev/zero of=/home/user/fill bs=1M 2>/dev/null; "
+    "rm -f /home/user/fill; i=$((i+1)); echo $i > /var/tmp/disk; done"
+)
+
+
+def _memory_and_disk_hogs(s: Sandbox, seconds: int) -> None:
+    """Start both hogs as root in the background, each ending after `seconds`."""
+    for loop in (MEMORY_HOG, DISK_HOG):
+        s.commands.run(
+            f"timeout {seconds} sh -c {shlex.quote(loop)} >/dev/null 2>&1",
+            background=True,
+            user="root",
+        )
+
+
+def _kill_the_users_processes(s: Sandbox, timeout: float) -> None:
+    """Kill every process of `user`, until none is left (a fork bomb forks
+    again between pkill's reads)."""
+    with contextlib.suppress(CommandExitException):
+        s.commands.run(
+            "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
+            user="root",
+            timeout=timeout,
+        )
 
 
 @pytest.fixture
@@ -119,13 +145,7 @@ def test_fork_bomb_meets_the_process_limit(sbx: Sandbox) -> None:
     assert 64 <= busiest <= 128  # it was at it, up to the limit
     assert "Resource temporarily unavailable" in sbx.files.read("/tmp/bomb.log")
     # once it is killed the sandbox is as usable as before
-    with contextlib.suppress(CommandExitException):
-        # (until none is left: a bomb forks again between pkill's reads)
-        sbx.commands.run(
-            "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
-            user="root",
-            timeout=60,
-        )
+    _kill_the_users_processes(sbx, timeout=60)
     assert sbx.commands.run("echo ok").stdout.strip() == "ok"
 
 
@@ -135,20 +155,10 @@ def test_fork_bomb_memory_hog_and_disk_writer_at_once(node: NodeProc, sbx: Sandb
     # host's limit, so the process limit, envd's OOM killer and the disk's size act
     # first and the sandbox lives on
     hogs_s = 25
-    mem = "i=0; while true; do python3 -c 'x = bytearray(2*1024**3)'; i=$((i+1)); echo $i > /var/tmp/mem; done"
-    disk = (
-        "i=0; while true; do dd if=/dev/zero of=/home/user/fill bs=1M 2>/dev/null; "
-        "rm -f /home/user/fill; i=$((i+1)); echo $i > /var/tmp/disk; done"
-    )
     sbx.commands.run(
         f"timeout {hogs_s} bash -c 'b(){{ b|b& }}; b' >/dev/null 2>&1", background=True
     )
-    for loop in (mem, disk):
-        sbx.commands.run(
-            f"timeout {hogs_s} sh -c {shlex.quote(loop)} >/dev/null 2>&1",
-            background=True,
-            user="root",
-        )
+    _memory_and_disk_hogs(sbx, hogs_s)
     t0 = time.monotonic()
     bombs = 0
     while time.monotonic() - t0 < hogs_s:  # envd answers throughout
@@ -251,50 +261,24 @@ def test_all_three_hogs_for_minutes_under_systrap() -> None:
     # there the task valve ends the bomb before they run out: the slow test below
     # and docs/performance.md). The host's memory limit is reached now and then:
     # the relief valve lets envd act instead of the host killing the sandbox.
-    built = built_home()
-    assert built is not None
-    home = Path(tempfile.mkdtemp(prefix="aenv-test-pressure-"))
-    link_home(built, home)
     env = {"AENV_RUNSC_PLATFORM": "systrap", "AENV_NET_PREFIX": "", "AENV_SLOT_CIDR": ""}
-    n = start_node(
-        home, api_key="aenv_test_" + secrets.token_hex(8), log_path=home / "node.log", extra_env=env
-    )
     hogs_s = 200
-    try:
-        with sdk_pointed_at(n.url, n.api_key):
-            s = Sandbox.create(TEMPLATE, timeout=900)
-            mem = "i=0; while true; do python3 -c 'x = bytearray(2*1024**3)'; i=$((i+1)); echo $i > /var/tmp/mem; done"
-            disk = (
-                "i=0; while true; do dd if=/dev/zero of=/home/user/fill bs=1M 2>/dev/null; "
-                "rm -f /home/user/fill; i=$((i+1)); echo $i > /var/tmp/disk; done"
-            )
-            s.commands.run("bash -c 'b(){ b|b& }; b' >/dev/null 2>&1", background=True)
-            for loop in (mem, disk):
-                s.commands.run(
-                    f"timeout {hogs_s} sh -c {shlex.quote(loop)} >/dev/null 2>&1",
-                    background=True,
-                    user="root",
-                )
-            t0 = time.monotonic()
-            rounds: list[list[str]] = []
-            while time.monotonic() - t0 < hogs_s:
-                time.sleep(20)
-                r = s.commands.run("cat /var/tmp/mem /var/tmp/disk", user="root", timeout=120)
-                rounds.append(r.stdout.split())
-            with contextlib.suppress(CommandExitException):
-                s.commands.run(
-                    "for i in $(seq 100); do pkill -9 -u user || break; sleep 0.2; done",
-                    user="root",
-                    timeout=120,
-                )
-            assert s.commands.run("echo alive").stdout.strip() == "alive"
-            # both hogs went on to the end, one round after another
-            assert int(rounds[-1][0]) > int(rounds[len(rounds) // 2][0]) > int(rounds[0][0])
-            assert int(rounds[-1][1]) > int(rounds[len(rounds) // 2][1]) > int(rounds[0][1])
-            s.kill()
-    finally:
-        stop_node(n)
-        shutil.rmtree(home, ignore_errors=True)
+    with private_node(env, leak_prefix=None):
+        s = Sandbox.create(TEMPLATE, timeout=900)
+        s.commands.run("bash -c 'b(){ b|b& }; b' >/dev/null 2>&1", background=True)
+        _memory_and_disk_hogs(s, hogs_s)
+        t0 = time.monotonic()
+        rounds: list[list[str]] = []
+        while time.monotonic() - t0 < hogs_s:
+            time.sleep(20)
+            r = s.commands.run("cat /var/tmp/mem /var/tmp/disk", user="root", timeout=120)
+            rounds.append(r.stdout.split())
+        _kill_the_users_processes(s, timeout=120)
+        assert s.commands.run("echo alive").stdout.strip() == "alive"
+        # both hogs went on to the end, one round after another
+        assert int(rounds[-1][0]) > int(rounds[len(rounds) // 2][0]) > int(rounds[0][0])
+        assert int(rounds[-1][1]) > int(rounds[len(rounds) // 2][1]) > int(rounds[0][1])
+        s.kill()
 
 
 @pytest.mark.slow
@@ -304,36 +288,23 @@ def test_fork_bomb_is_ended_before_the_runtimes_host_tasks_run_out() -> None:
     # its pids.max kills it (here 4,096: without the valve dead within ~15 s; the
     # default, 8,192 on this host, in ~2 minutes). The node signals envd at half of it, which ends
     # the largest process group; the sandbox and its other processes live on.
-    built = built_home()
-    assert built is not None
-    home = Path(tempfile.mkdtemp(prefix="aenv-test-tasks-"))
-    link_home(built, home)
     env = {"AENV_SANDBOX_HOST_TASKS": "4096", "AENV_NET_PREFIX": "", "AENV_SLOT_CIDR": ""}
-    n = start_node(
-        home, api_key="aenv_test_" + secrets.token_hex(8), log_path=home / "node.log", extra_env=env
-    )
-    try:
-        with sdk_pointed_at(n.url, n.api_key):
-            s = Sandbox.create(TEMPLATE, timeout=600)
-            quiet = s.commands.run("sleep 600", background=True, timeout=0)
-            # (the shell that starts it returns at once; its descendants fork on)
-            s.commands.run("timeout 90 bash -c 'b(){ b|b& }; b'", background=True)
-            t0 = time.monotonic()
-            bombs: list[int] = []
-            while time.monotonic() - t0 < 60:  # envd answers throughout
-                r = s.commands.run("pgrep -c -u user bash || true", user="root", timeout=60)
-                bombs.append(int(r.stdout.strip() or 0))
-                time.sleep(1)
-            assert max(bombs) >= 8  # it was at it (for the first seconds) ...
-            assert bombs[-1] == 0  # ... and was ended, long before its timeout
-            assert s.commands.run("echo alive").stdout.strip() == "alive"
-            assert quiet.pid in [p.pid for p in s.commands.list()]  # the other command lives on
-            r = httpx.get(
-                f"{n.url}/v2/sandboxes/{s.sandbox_id}/logs", headers={"X-API-Key": n.api_key}
-            )
-            events = [e for e in r.json()["logs"] if "host tasks near" in str(e["message"])]
-            assert events and "of 4096" in str(events[0]["message"])
-            s.kill()
-    finally:
-        stop_node(n)
-        shutil.rmtree(home, ignore_errors=True)
+    with private_node(env, leak_prefix=None) as n:
+        s = Sandbox.create(TEMPLATE, timeout=600)
+        quiet = s.commands.run("sleep 600", background=True, timeout=0)
+        # (the shell that starts it returns at once; its descendants fork on)
+        s.commands.run("timeout 90 bash -c 'b(){ b|b& }; b'", background=True)
+        t0 = time.monotonic()
+        bombs: list[int] = []
+        while time.monotonic() - t0 < 60:  # envd answers throughout
+            r = s.commands.run("pgrep -c -u user bash || true", user="root", timeout=60)
+            bombs.append(int(r.stdout.strip() or 0))
+            time.sleep(1)
+        assert max(bombs) >= 8  # it was at it (for the first seconds) ...
+        assert bombs[-1] == 0  # ... and was ended, long before its timeout
+        assert s.commands.run("echo alive").stdout.strip() == "alive"
+        assert quiet.pid in [p.pid for p in s.commands.list()]  # the other command lives on
+        r = httpx.get(f"{n.url}/v2/sandboxes/{s.sandbox_id}/logs", headers={"X-API-Key": n.api_key})
+        events = [e for e in r.json()["logs"] if "host tasks near" in str(e["message"])]
+        assert events and "of 4096" in str(events[0]["message"])
+        s.kill()

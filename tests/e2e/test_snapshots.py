@@ -14,7 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from e2b import Sandbox
 from e2b.exceptions import SandboxException
@@ -30,6 +29,7 @@ from tests.conftest import (
     stop_node,
 )
 from tests.e2e.counter import COUNTER, counts_on
+from tests.e2e.nodes import wait_storage
 
 pytestmark = [requires_node, pytest.mark.runsc]
 
@@ -88,17 +88,6 @@ def test_filesystem_snapshot_boots_fresh(node: NodeProc) -> None:
         src.kill()
 
 
-def _wait_durable(node: NodeProc, snapshot_id: str) -> None:
-    deadline = time.monotonic() + 90
-    while True:
-        r = httpx.get(f"{node.url}/snapshots/{snapshot_id}", headers={"X-API-Key": node.api_key})
-        assert r.status_code == 200, r.text
-        if r.json()["storage"] == "durable":
-            return
-        assert time.monotonic() < deadline, r.json()
-        time.sleep(0.2)
-
-
 def _corrupt_a_snapshot(node: NodeProc, *, stored: bool) -> str:
     """A busybox snapshot whose local memory image has one byte flipped (once
     it is in the node's store, if it has one)."""
@@ -108,7 +97,7 @@ def _corrupt_a_snapshot(node: NodeProc, *, stored: bool) -> str:
     finally:
         src.kill()
     if stored:
-        _wait_durable(node, info.snapshot_id)
+        wait_storage(node.url, node.api_key, info.snapshot_id, "durable")
     home = Path(node.home)
     image = home / "snapshots" / info.snapshot_id / "image"
     victim = next(p for p in sorted(image.iterdir()) if p.is_file())

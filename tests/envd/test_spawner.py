@@ -53,18 +53,46 @@ async def spawner() -> AsyncIterator[SpawnerClient]:
             nursery.cancel_scope.cancel()
 
 
-async def spawn(
-    client: SpawnerClient, script: str, *, limit: int = LIMIT, stdin: bool = False, **kw: object
+async def start(
+    client: SpawnerClient,
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str = "/",
+    uid: int | None = None,
+    gid: int | None = None,
+    groups: list[int] | None = None,
+    limit: int = LIMIT,
+    stdin: bool = False,
+    fallback: str | None = None,
 ) -> SpawnedProcess:
+    """`client.spawn(argv)` as this test process's user (its uid, gid and
+    group), on the standard PATH in /, unless told otherwise."""
     return await client.spawn(
-        ["/bin/sh", "-c", script],
-        env=kw.get("env", {"PATH": PATH}),  # type: ignore[arg-type]
-        cwd=kw.get("cwd", "/"),  # type: ignore[arg-type]
-        uid=os.getuid(),
-        gid=os.getgid(),
-        groups=[os.getgid()],
+        argv,
+        env={"PATH": PATH} if env is None else env,
+        cwd=cwd,
+        uid=os.getuid() if uid is None else uid,
+        gid=os.getgid() if gid is None else gid,
+        groups=[os.getgid()] if groups is None else groups,
         limit=limit,
         stdin_enabled=stdin,
+        fallback=fallback,
+    )
+
+
+async def spawn(
+    client: SpawnerClient,
+    script: str,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str = "/",
+    limit: int = LIMIT,
+    stdin: bool = False,
+) -> SpawnedProcess:
+    """`script` run by /bin/sh, as `start` runs it."""
+    return await start(
+        client, ["/bin/sh", "-c", script], env=env, cwd=cwd, limit=limit, stdin=stdin
     )
 
 
@@ -114,16 +142,7 @@ async def test_children_inherit_the_limit_hard_and_soft(spawner: SpawnerClient) 
 
 async def test_spawn_errors_are_the_spawns(spawner: SpawnerClient) -> None:
     with pytest.raises(OSError) as caught:
-        await spawner.spawn(
-            ["/nonexistent/binary"],
-            env={},
-            cwd="/",
-            uid=os.getuid(),
-            gid=os.getgid(),
-            groups=[],
-            limit=LIMIT,
-            stdin_enabled=False,
-        )
+        await start(spawner, ["/nonexistent/binary"], env={}, groups=[])
     assert caught.value.errno == errno.ENOENT
     proc = await spawn(spawner, "exit 0")  # still serving
     assert await proc.wait() == 0
@@ -176,15 +195,9 @@ async def test_a_higher_limit_gets_a_spawner_of_its_own(spawner: SpawnerClient) 
 async def test_a_user_gets_its_own_credentials_and_path_lookup(spawner: SpawnerClient) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to change credentials")
-    proc = await spawner.spawn(
-        ["sh", "-c", "id -u; id -g; id -G"],  # found on the request's PATH
-        env={"PATH": PATH},
-        cwd="/",
-        uid=1000,
-        gid=1000,
-        groups=[1000, 27],
-        limit=LIMIT,
-        stdin_enabled=False,
+    # ("sh", found on the request's PATH)
+    proc = await start(
+        spawner, ["sh", "-c", "id -u; id -g; id -G"], uid=1000, gid=1000, groups=[1000, 27]
     )
     assert (await read_all(proc.stdout)).decode().split() == ["1000", "1000", "1000", "27"]
     assert await proc.wait() == 0
@@ -194,16 +207,7 @@ async def test_a_missing_directory_is_the_spawns_error(spawner: SpawnerClient) -
     with pytest.raises(MissingCwd):
         await spawn(spawner, "true", cwd="/nonexistent/dir")
     with pytest.raises(OSError) as caught:
-        await spawner.spawn(
-            ["no-such-command-here"],
-            env={"PATH": PATH},
-            cwd="/",
-            uid=os.getuid(),
-            gid=os.getgid(),
-            groups=[],
-            limit=LIMIT,
-            stdin_enabled=False,
-        )
+        await start(spawner, ["no-such-command-here"], groups=[])
     assert caught.value.errno == errno.ENOENT
 
 
@@ -237,15 +241,12 @@ async def test_another_users_process_has_only_that_users_credentials(
     # (started with the spawner's own credentials switched for the spawn:
     # nothing of root's may be left in the child, and the spawner is root after)
     for _ in range(2):
-        proc = await spawner.spawn(
+        proc = await start(
+            spawner,
             ["/bin/cat", "/proc/self/status"],
-            env={"PATH": PATH},
-            cwd="/",
             uid=OTHER,
             gid=OTHER,
             groups=[OTHER, OTHER + 1],
-            limit=LIMIT,
-            stdin_enabled=False,
         )
         status = status_of((await read_all(proc.stdout)).decode())
         assert await proc.wait() == 0
@@ -261,15 +262,13 @@ async def test_another_users_process_has_only_that_users_credentials(
     # a cwd the user may not enter: still started there, as before
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
-    proc = await spawner.spawn(
+    proc = await start(
+        spawner,
         ["/bin/sh", "-c", "id -u; pwd"],
-        env={"PATH": PATH},
         cwd=str(private),
         uid=OTHER,
         gid=OTHER,
         groups=[OTHER],
-        limit=LIMIT,
-        stdin_enabled=False,
     )
     assert (await read_all(proc.stdout)).decode().split() == [str(OTHER), str(private)]
     assert await proc.wait() == 0
@@ -278,17 +277,7 @@ async def test_another_users_process_has_only_that_users_credentials(
 async def test_a_missing_cwd_and_the_fallback_program(spawner: SpawnerClient) -> None:
     with pytest.raises(MissingCwd):
         await spawn(spawner, "true", cwd="/nonexistent/dir")
-    proc = await spawner.spawn(
-        ["/nonexistent/bash", "-c", "echo $0"],
-        env={"PATH": PATH},
-        cwd="/",
-        uid=os.getuid(),
-        gid=os.getgid(),
-        groups=[os.getgid()],
-        limit=LIMIT,
-        stdin_enabled=False,
-        fallback="/bin/sh",
-    )
+    proc = await start(spawner, ["/nonexistent/bash", "-c", "echo $0"], fallback="/bin/sh")
     assert (await read_all(proc.stdout)).strip() == b"/bin/sh"
     assert await proc.wait() == 0
 

@@ -37,6 +37,7 @@ from aenv.storage.snapstore import (
     LocalImage,
     LocalLayer,
     SnapshotUnavailable,
+    UploadReport,
     collect_garbage,
     delete_snapshot,
     download_image,
@@ -176,6 +177,25 @@ def image_dir(root: Path, size: int) -> tuple[Path, dict[str, str]]:
 RECORD = {"name": "demo", "names": ["demo"], "templateID": "base", "memory": True, "createdAt": 1.0}
 
 
+async def _upload_files(
+    store: ObjectStore,
+    snapshot_id: str,
+    *layers: LocalLayer,
+    record: dict[str, Any] = RECORD,
+    refresh_after_s: float | None = None,
+) -> UploadReport:
+    """Upload a snapshot of file layers only (`layers` topmost first), no memory image."""
+    return await upload_snapshot(
+        store,
+        snapshot_id=snapshot_id,
+        record=record,
+        layers=layers,
+        image=None,
+        checksums={},
+        refresh_after_s=refresh_after_s,
+    )
+
+
 # -- tests ----------------------------------------------------------------------------
 
 
@@ -213,24 +233,13 @@ async def test_shared_content_is_uploaded_once(backend: Backend, tmp_path: Path)
     upper.mkdir(parents=True)
     (upper / "new.bin").write_bytes(os.urandom(MiB))
     (upper / "copy.bin").write_bytes((base / "big.bin").read_bytes())  # same content
-    first = await upload_snapshot(
+    first = await _upload_files(backend.store, "snap-1", LocalLayer(id="l1", below=(), tree=base))
+    second = await _upload_files(
         backend.store,
-        snapshot_id="snap-1",
-        record=RECORD,
-        layers=[LocalLayer(id="l1", below=(), tree=base)],
-        image=None,
-        checksums={},
-    )
-    second = await upload_snapshot(
-        backend.store,
-        snapshot_id="snap-2",
+        "snap-2",
+        LocalLayer(id="l2", below=("l1",), tree=upper),
+        LocalLayer(id="l1", below=(), tree=base),
         record={**RECORD, "createdAt": 2.0},
-        layers=[
-            LocalLayer(id="l2", below=("l1",), tree=upper),
-            LocalLayer(id="l1", below=(), tree=base),
-        ],
-        image=None,
-        checksums={},
     )
     print(f"first {first.bytes_uploaded} B, second {second.bytes_uploaded} B")
     assert first.layer_bytes > 2 * MiB
@@ -263,14 +272,7 @@ async def test_a_corrupt_or_missing_blob_fails_naming_it(backend: Backend, tmp_p
     tree = tmp_path / "l1" / "tree"
     tree.mkdir(parents=True)
     (tree / "data").write_bytes(os.urandom(MiB + 5))
-    await upload_snapshot(
-        backend.store,
-        snapshot_id="snap-c",
-        record=RECORD,
-        layers=[LocalLayer(id="l1", below=(), tree=tree)],
-        image=None,
-        checksums={},
-    )
+    await _upload_files(backend.store, "snap-c", LocalLayer(id="l1", below=(), tree=tree))
     m = await fetch_manifest(backend.store, "snap-c", by_id=True)
     assert m is not None
     chunk = next(d for d in m.blobs if d != m.layers[0].index)
@@ -297,9 +299,7 @@ async def test_gc_keeps_what_is_referenced_and_young(backend: Backend, tmp_path:
         ("snap-x", [lshared]),
         ("snap-y", [LocalLayer(id="lo", below=("ls",), tree=own), lshared]),
     ):
-        await upload_snapshot(
-            backend.store, snapshot_id=sid, record=RECORD, layers=layers, image=None, checksums={}
-        )
+        await _upload_files(backend.store, sid, *layers)
     y = await fetch_manifest(backend.store, "snap-y", by_id=True)
     x = await fetch_manifest(backend.store, "snap-x", by_id=True)
     assert x is not None and y is not None
@@ -338,13 +338,8 @@ async def test_two_collectors_at_once(backend: Backend, tmp_path: Path) -> None:
     keep.mkdir(parents=True)
     (keep / "k").write_bytes(os.urandom(200_000))
     for sid, t in (("snap-1", tree), ("snap-2", keep)):
-        await upload_snapshot(
-            backend.store,
-            snapshot_id=sid,
-            record={"createdAt": 1.0},
-            layers=[LocalLayer(id=sid, below=(), tree=t)],
-            image=None,
-            checksums={},
+        await _upload_files(
+            backend.store, sid, LocalLayer(id=sid, below=(), tree=t), record={"createdAt": 1.0}
         )
     await delete_snapshot(backend.store, "snap-1", None)
     async with trio.open_nursery() as n:
@@ -363,21 +358,17 @@ async def test_deleting_a_names_newest_points_the_name_at_the_one_before(
     upper.mkdir(parents=True)
     (upper / "f").write_text("f")
     for i, sid in enumerate(("snap-old", "snap-mid", "snap-new"), start=1):
-        await upload_snapshot(
+        await _upload_files(
             backend.store,
-            snapshot_id=sid,
+            sid,
+            LocalLayer(id="l1", below=(), tree=upper),
             record={**RECORD, "createdAt": float(i)},
-            layers=[LocalLayer(id="l1", below=(), tree=upper)],
-            image=None,
-            checksums={},
         )
-    await upload_snapshot(  # another name: never what "demo" resolves to
+    await _upload_files(  # another name: never what "demo" resolves to
         backend.store,
-        snapshot_id="snap-other",
+        "snap-other",
+        LocalLayer(id="l1", below=(), tree=upper),
         record={**RECORD, "name": "other", "names": ["other"], "createdAt": 9.0},
-        layers=[LocalLayer(id="l1", below=(), tree=upper)],
-        image=None,
-        checksums={},
     )
 
     async def demo() -> str | None:
@@ -622,31 +613,14 @@ async def test_an_upload_reusing_garbage_while_it_is_collected_keeps_it(
     tree.mkdir(parents=True)
     (tree / "data").write_bytes(os.urandom(MiB + 5))
     layer = LocalLayer(id="l1", below=(), tree=tree)
-    await upload_snapshot(
-        backend.store,
-        snapshot_id="snap-1",
-        record=RECORD,
-        layers=[layer],
-        image=None,
-        checksums={},
-    )
+    await _upload_files(backend.store, "snap-1", layer)
     await delete_snapshot(backend.store, "snap-1", "demo")  # its blobs are garbage now
     await trio.sleep(2.2)  # ... and older than the collector's grace
 
     reports = []
 
     async def upload() -> None:
-        reports.append(
-            await upload_snapshot(
-                backend.store,
-                snapshot_id="snap-2",
-                record=RECORD,
-                layers=[layer],
-                image=None,
-                checksums={},
-                refresh_after_s=1.0,
-            )
-        )
+        reports.append(await _upload_files(backend.store, "snap-2", layer, refresh_after_s=1.0))
 
     collector = _UploadOnFirstDeleteCheck(backend.store, upload)
     gc = await collect_garbage(collector, grace_s=2.0)  # type: ignore[arg-type]
