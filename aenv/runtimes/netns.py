@@ -44,6 +44,7 @@ from typing import Final
 import trio
 
 from aenv.kit.metrics import Labels, Registry
+from aenv.kit.refill import Refill
 from aenv.proto.netpolicy import (
     EgressPolicy,
     render_slot_delete,
@@ -255,8 +256,7 @@ class HostNetwork:
         self._spares: deque[int] = deque()
         self._spares_taken = 0
         self._broken_spares: list[int] = []  # (lost while spare: removed by `keep_spares`)
-        self._spare_wanted = trio.Event()
-        self._spare_demand = Bursts(most=0, gap_s=1.0)
+        self._spare_refill = Refill(Bursts(most=0, gap_s=1.0))
         self._policy_updates = 0
         self._cleanup_failures = 0
 
@@ -338,8 +338,7 @@ class HostNetwork:
     async def _open_slot(self, policy: EgressPolicy) -> AsyncIterator[NetSlot]:
         if self._closed:
             raise RuntimeError("host network is closed")
-        self._spare_demand.took(trio.current_time())
-        self._spare_wanted.set()
+        self._spare_refill.took()
         if self._spares:
             async with self._spare(policy) as slot:
                 yield slot
@@ -388,33 +387,36 @@ class HostNetwork:
         apart), at least `least`, at most `count` (`aenv.proto.spares`); made
         one at a time once no slot was opened for `quiet_s`. A spare that
         cannot be made is given up and tried again later."""
-        demand = self._spare_demand = Bursts(most=count, gap_s=quiet_s, least=least)
-        while not self._closed and count > 0:
-            while self._broken_spares:
-                await self._discard(self._open[self._broken_spares.pop()])
-            if len(self._spares) >= demand.target:
-                self._spare_wanted = trio.Event()
-                await self._spare_wanted.wait()
-                continue
-            if trio.current_time() < demand.refill_at:
-                await trio.sleep_until(demand.refill_at)
-                continue
-            if not self._free:
-                await trio.sleep(quiet_s)
-                continue
-            slot = self._slot(self._free.popleft())
-            self._open[slot.index] = slot
-            try:
-                await self._create(slot, EgressPolicy())
-                await self._made(slot)
-            except BaseException as exc:
-                await self._discard(slot)
-                if not isinstance(exc, Exception):
-                    raise
-                log.warning("making a spare network slot failed: %s", exc)
-                await trio.sleep(quiet_s)
-                continue
-            self._spares.append(slot.index)
+        self._spare_refill.demand = Bursts(most=count, gap_s=quiet_s, least=least)
+        await self._spare_refill.keep(
+            kept=lambda: len(self._spares),
+            make=self._make_spare,
+            failed=lambda exc: log.warning("making a spare network slot failed: %s", exc),
+            retry_s=quiet_s,
+            going=lambda: not self._closed and count > 0,
+            tidy=self._discard_broken_spares,
+        )
+
+    async def _discard_broken_spares(self) -> None:
+        """Remove the spares that lost their network (`_lose`)."""
+        while self._broken_spares:
+            await self._discard(self._open[self._broken_spares.pop()])
+
+    async def _make_spare(self) -> bool:
+        """One more spare slot (False: no slot is free); none is left behind if
+        making it fails."""
+        if not self._free:
+            return False
+        slot = self._slot(self._free.popleft())
+        self._open[slot.index] = slot
+        try:
+            await self._create(slot, EgressPolicy())
+            await self._made(slot)
+        except BaseException:
+            await self._discard(slot)
+            raise
+        self._spares.append(slot.index)
+        return True
 
     async def _discard(self, slot: NetSlot) -> None:
         """Remove a slot (a spare, or one whose owner is done with it); its index is
@@ -672,7 +674,7 @@ class HostNetwork:
             self._spares.remove(index)
             self._ready.discard(index)
             self._broken_spares.append(index)
-            self._spare_wanted.set()
+            self._spare_refill.wake()
             log.warning("host network: spare slot %d lost its network: %s", index, why)
             return
         slot = self._open.get(index)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import trio
 
+from aenv.kit.refill import Refill
 from aenv.proto.spares import Bursts
 from aenv.storage.disks import DiskError, disk_image, make_disk, remove_disk
 
@@ -46,8 +47,8 @@ class SpareDisks:
         self.quiet_s = quiet_s
         self._ready: deque[Path] = deque()
         self._names = itertools.count()
-        self._wanted = trio.Event()
         self.demand = Bursts(most=count, gap_s=quiet_s, least=least)
+        self._refill = Refill(self.demand)
         self.taken = 0
 
     def take(self, size_bytes: int) -> Path | None:
@@ -55,8 +56,7 @@ class SpareDisks:
         of that size ready); the caller moves it away (`take_disk`) or removes it."""
         if size_bytes != self.size_bytes:
             return None
-        self.demand.took(trio.current_time())
-        self._wanted.set()
+        self._refill.took()
         if not self._ready:
             return None
         self.taken += 1
@@ -66,25 +66,24 @@ class SpareDisks:
         """Keep the spares made until cancelled; then remove them."""
         try:
             await trio.to_thread.run_sync(self._clear)
-            while self.count > 0:
-                if len(self._ready) >= min(self.count, self.demand.target):
-                    self._wanted = trio.Event()
-                    await self._wanted.wait()
-                    continue
-                if trio.current_time() < self.demand.refill_at:
-                    await trio.sleep_until(self.demand.refill_at)
-                    continue
-                path = self.directory / str(next(self._names))
-                try:
-                    await trio.to_thread.run_sync(self._make, path)
-                except (DiskError, OSError) as exc:
-                    log.warning("making a spare disk failed: %s", exc)
-                    await trio.sleep(max(self.quiet_s, 5.0))
-                    continue
-                self._ready.append(path)
+            await self._refill.keep(
+                kept=lambda: len(self._ready),
+                make=self._make_one,
+                failed=lambda exc: log.warning("making a spare disk failed: %s", exc),
+                retry_s=max(self.quiet_s, 5.0),
+                going=lambda: self.count > 0,  # (`count` is 0 once a host refused a move)
+                errors=(DiskError, OSError),
+            )
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._clear)
+
+    async def _make_one(self) -> bool:
+        """One more spare, ready to take."""
+        path = self.directory / str(next(self._names))
+        await trio.to_thread.run_sync(self._make, path)
+        self._ready.append(path)
+        return True
 
     def _make(self, path: Path) -> None:
         path.mkdir(parents=True)
