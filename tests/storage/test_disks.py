@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,46 @@ async def test_a_spare_disk_becomes_a_root_of_its_own(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
     # the spares go with their keeper
     assert not mounts_under(tmp_path) and not (tmp_path / "spares").exists()
+
+
+@pytest.fixture
+def shared_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a tmpfs of its own whose mount is shared: a mount under it
+    cannot move (`take_disk` is refused)."""
+    shared = tmp_path / "spares"
+    shared.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g", "aenvtest", shared], check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", shared], check=True)
+        yield shared
+    finally:
+        subprocess.run(["umount", "-l", shared], check=False)
+
+
+async def test_a_host_that_refuses_the_move_turns_spares_off(
+    tmp_path: Path, shared_dir: Path
+) -> None:
+    """Where a spare cannot move out of its directory (a mount under a shared
+    mount cannot move, as on hosts whose mounts are shared), a start makes its
+    disk as without spares, and the spares end for good: their keeper returns
+    at its next look and removes the ones left."""
+    base = lower(tmp_path)
+    spares = SpareDisks(shared_dir, size_bytes=BIG, count=2, quiet_s=0.05, least=2)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spares.keep)
+            await wait_for(lambda: len(spares._ready) == 2)
+            work = tmp_path / "sbx" / "disk1"
+            async with open_writable_root([base], work, disk_bytes=BIG, spares=spares) as root:
+                assert (spares.count, spares.taken) == (0, 1)
+                assert disk_image(work).stat().st_size == BIG  # its own, made
+                (root / "etc" / "new").write_text("mine")
+            # a second start wakes the keeper, if the first did not end it
+            async with open_writable_root(
+                [base], tmp_path / "sbx2" / "disk1", disk_bytes=BIG, spares=spares
+            ):
+                pass
+        # (the keeper returned: no cancel)
+    assert not mounts_under(tmp_path / "sbx") and not mounts_under(tmp_path / "sbx2")
+    assert os.listdir(shared_dir) == []
+    assert [m for m in mounts_under(shared_dir) if "ext4" in m] == []
