@@ -11,6 +11,7 @@ pacer as the node's do.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import pytest
 import trio
@@ -68,25 +69,35 @@ class Shelf:
             errors=errors,
         )
 
+    async def keep_while(
+        self,
+        script: Callable[[], Awaitable[None]],
+        *,
+        tidy: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Run `script` while the refill keeps this shelf; the refill stops after it."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(self.keep, tidy=tidy))
+            await script()
+            nursery.cancel_scope.cancel()
+
 
 async def test_it_keeps_the_least_and_then_waits_for_takes(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     shelf = Shelf(most=4, least=2)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(shelf.keep)
-        await trio.sleep(100)
-        # two at once, nothing taken yet: then nothing more however long it waits
-        assert shelf.made_at == [0.0, 0.0]
-        nursery.cancel_scope.cancel()
+    with trio.move_on_after(100):
+        await shelf.keep()
+    # two at once, nothing taken yet: then nothing more however long it waits
+    assert shelf.made_at == [0.0, 0.0]
 
 
 async def test_a_burst_sets_the_target_and_the_refill_waits_for_quiet(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     shelf = Shelf(most=4, least=1, make_s=0.25)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(shelf.keep)
+
+    async def script() -> None:
         await trio.sleep(10)
         assert shelf.made_at == [0.25]
         # a burst of three takes 0.25 s apart (one burst), the first finds one ready
@@ -113,22 +124,24 @@ async def test_a_burst_sets_the_target_and_the_refill_waits_for_quiet(
             shelf.take()
         await trio.sleep(10)
         assert len(shelf.ready) == 4
-        nursery.cancel_scope.cancel()
+
+    await shelf.keep_while(script)
 
 
 async def test_a_take_during_a_make_is_counted_and_refilled_after_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     shelf = Shelf(most=2, least=2, make_s=2.0)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(shelf.keep)
+
+    async def script() -> None:
         await trio.sleep(3)  # the first made at 2, the second under way
         assert shelf.take() == 1
         await trio.sleep(10)
-        # the second done at 4, the next waits for quiet (the take at 3, so 4): made 4 to 6
-        assert shelf.made_at == [2.0, 4.0, 6.0]
-        assert shelf.most_making == 1
-        nursery.cancel_scope.cancel()
+
+    await shelf.keep_while(script)
+    # the second done at 4, the next waits for quiet (the take at 3, so 4): made 4 to 6
+    assert shelf.made_at == [2.0, 4.0, 6.0]
+    assert shelf.most_making == 1
 
 
 async def test_it_stops_when_cancelled_mid_make_or_when_no_longer_going(
@@ -159,10 +172,8 @@ async def test_a_failing_make_is_reported_and_tried_again_later(
 ) -> None:
     shelf = Shelf(most=2, least=2, make_s=0.5)
     shelf.fail_next = 2
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(shelf.keep)
-        await trio.sleep(100)
-        nursery.cancel_scope.cancel()
+    with trio.move_on_after(100):
+        await shelf.keep()
     # failed at 0.5 and at 6, each followed by a 5 s wait (`retry_s`)
     assert [str(e) for e in shelf.failures] == ["no space left"] * 2
     assert shelf.made_at == [11.5, 12.0]
@@ -211,13 +222,13 @@ async def test_tidy_runs_before_each_look_and_wake_looks_again(
             shelf.ready.remove(item)
         lost.clear()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: shelf.keep(tidy=tidy))
+    async def script() -> None:
         await trio.sleep(5)
         assert shelf.made_at == [0.0, 0.0]
         lost.append(shelf.ready[0])
         shelf.refill.wake()
         await trio.sleep(5)
-        assert shelf.made_at == [0.0, 0.0, 5.0]
-        assert tidied == [0.0, 0.0, 0.0, 5.0, 5.0]
-        nursery.cancel_scope.cancel()
+
+    await shelf.keep_while(script, tidy=tidy)
+    assert shelf.made_at == [0.0, 0.0, 5.0]
+    assert tidied == [0.0, 0.0, 0.0, 5.0, 5.0]
