@@ -48,12 +48,12 @@ STEP_SHARE = 1 / 16
 # Read the count every POLL_S near the mark, and never less often than
 # MAX_POLL_S; far below it, when it could reach the mark growing at
 # MAX_GROWTH tasks a second. The fastest growth measured, a fork bomb held at
-# the process limit, was 40 -> 1,851 in its first 5 s (~360 a second;
-# docs/performance.md); the limit is twice the first mark, so a count growing
-# up to about twice MAX_GROWTH is still seen before the limit.
+# the process limit, was ~360 a second over its first 5 s and at most ~900
+# over any 0.5 s (docs/performance.md); the limit is twice the first mark, so
+# a count growing up to about twice MAX_GROWTH is still seen before the limit.
 POLL_S = 0.5
 MAX_POLL_S = 5.0
-MAX_GROWTH = 1000
+MAX_GROWTH = 2000
 # What envd (pid 1) takes as "end your largest process group": the one
 # `aenv.envd.taskguard` waits for (runtimes may not import envd; a test keeps
 # the two in step).
@@ -93,6 +93,7 @@ async def watch_tasks(
     `next_read` says. `read_current` is called on the event loop, so it must
     not block: a read of a cgroup's `pids.current` (a kernel counter, no disk)
     costs less than handing it to a worker thread would."""
+    await trio.lowlevel.checkpoint()
     current = read_current()
     # (what a sandbox taken over or restored holds already is no reason to act)
     mark = max(first_mark(limit), mark_after(current or 0, limit))

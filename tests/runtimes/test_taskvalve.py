@@ -28,7 +28,7 @@ def test_step_signals_at_the_mark_then_a_step_above() -> None:
 
 
 def test_reads_come_when_the_count_could_reach_the_mark() -> None:
-    assert next_read(40, 4096) == (4096 - 40) / MAX_GROWTH  # ~4 s at 1,000 a second
+    assert next_read(40, 4096) == (4096 - 40) / MAX_GROWTH  # ~2 s at 2,000 a second
     assert next_read(3900, 4096) == POLL_S  # near the mark: the fast period
     assert next_read(4200, 4096) == POLL_S  # past it (a failed signal)
     assert next_read(40, 1_000_000) == MAX_POLL_S
@@ -63,9 +63,9 @@ async def test_an_idle_sandbox_far_below_the_mark_is_read_rarely(
 ) -> None:
     idle = Growing(40)
     await idle.watch(8192, 60)
-    # every (4096 - 40) / 1,000 s: 15 reads a minute, not 120 at POLL_S
-    assert len(idle.reads) == 15
-    assert all(b - a == pytest.approx(4.056) for a, b in itertools.pairwise(idle.reads))
+    # every (4096 - 40) / 2,000 s: 30 reads a minute, not 120 at POLL_S
+    assert len(idle.reads) == 30
+    assert all(b - a == pytest.approx(2.028) for a, b in itertools.pairwise(idle.reads))
     assert idle.signals == []
 
 
@@ -82,7 +82,7 @@ async def test_a_climbing_count_is_read_at_the_fast_period_before_the_mark(
     before = [r for r in bomb.reads if r < when]
     gaps = [b - a for a, b in itertools.pairwise(before)]
     assert gaps[-1] == pytest.approx(POLL_S) and gaps[-2] == pytest.approx(POLL_S)
-    assert max(gaps) == pytest.approx(4.056)  # while it was idle
+    assert max(gaps) == pytest.approx(2.028)  # while it was idle
 
 
 async def test_growth_at_the_assumed_rate_is_seen_at_the_mark(
@@ -90,7 +90,7 @@ async def test_growth_at_the_assumed_rate_is_seen_at_the_mark(
 ) -> None:
     bomb = Growing(40, rate=MAX_GROWTH)
     await bomb.watch(8192, 10)
-    assert bomb.signals[0] == (pytest.approx(4.056), 4096)
+    assert bomb.signals[0] == (pytest.approx(2.028), 4096)
 
 
 async def test_growth_at_nearly_twice_the_assumed_rate_is_seen_before_the_limit(
