@@ -14,11 +14,14 @@ off so only the bench's sandboxes count) creates `--n` idle sandboxes of
 Then, for `--sample` sandboxes, every host process whose command line names
 the sandbox (runsc's sandbox = the sentry, its gofer, the runsc parents) with
 its PSS and RSS (`smaps_rollup`), and inside the guest every process's RSS
-(envd is the sandbox's init). Then every sandbox is paused (frozen in memory)
-and, after `AENV_HIBERNATE_AFTER=--hibernate-after` seconds, written to disk:
-memory and local disk per paused sandbox, by file. Everything is killed and
-the node stopped; leaks are checked. Writes bench/results/density-<ts>.json.
-Needs root and runsc.
+(envd is the sandbox's init). The idle CPU over `--idle` s: the sandboxes'
+host processes, and the node's own (also read before the first create);
+`--trace-reads` counts the task valve's reads. Then (unless `--running-only`)
+every sandbox is paused (frozen in memory) and, after
+`AENV_HIBERNATE_AFTER=--hibernate-after` seconds, written to disk: memory and
+local disk per paused sandbox, by file. Everything is killed and the node
+stopped; leaks are checked. Writes bench/results/density-<ts>.json. Needs
+root and runsc.
 
     AENV_TEST_HOME=... .venv/bin/python bench/density.py [--n 50] [--batch 25]
 """
