@@ -48,7 +48,7 @@ STEP_SHARE = 1 / 16
 # Read the count every POLL_S near the mark, and never less often than
 # MAX_POLL_S; far below it, when it could reach the mark growing at
 # MAX_GROWTH tasks a second. The fastest growth measured, a fork bomb held at
-# the process limit, was ~360 a second over its first 5 s and at most ~900
+# the process limit, was ~360 a second over its first 5 s and at most ~1,000
 # over any 0.5 s (docs/performance.md); the limit is twice the first mark, so
 # a count growing up to about twice MAX_GROWTH is still seen before the limit.
 POLL_S = 0.5
