@@ -14,11 +14,14 @@ off so only the bench's sandboxes count) creates `--n` idle sandboxes of
 Then, for `--sample` sandboxes, every host process whose command line names
 the sandbox (runsc's sandbox = the sentry, its gofer, the runsc parents) with
 its PSS and RSS (`smaps_rollup`), and inside the guest every process's RSS
-(envd is the sandbox's init). Then every sandbox is paused (frozen in memory)
-and, after `AENV_HIBERNATE_AFTER=--hibernate-after` seconds, written to disk:
-memory and local disk per paused sandbox, by file. Everything is killed and
-the node stopped; leaks are checked. Writes bench/results/density-<ts>.json.
-Needs root and runsc.
+(envd is the sandbox's init). The idle CPU over `--idle` s: the sandboxes'
+host processes, and the node's own (also read before the first create);
+`--trace-reads` counts the task valve's reads. Then (unless `--running-only`)
+every sandbox is paused (frozen in memory) and, after
+`AENV_HIBERNATE_AFTER=--hibernate-after` seconds, written to disk: memory and
+local disk per paused sandbox, by file. Everything is killed and the node
+stopped; leaks are checked. Writes bench/results/density-<ts>.json. Needs
+root and runsc.
 
     AENV_TEST_HOME=... .venv/bin/python bench/density.py [--n 50] [--batch 25]
 """
@@ -213,6 +216,24 @@ def on_disk(node: Any, ids: list[str]) -> int:
     return done
 
 
+def valve_reads(node_pid: int, seconds: float) -> float:
+    """How many times a minute the node opens a `pids.current` (the task valve's
+    read: `aenv.runtimes.taskvalve`), counted with strace over `seconds`."""
+    import subprocess
+
+    out = Path(tempfile.mkdtemp(prefix="aenv-bench-strace-")) / "trace"
+    proc = subprocess.Popen(
+        ["strace", "-f", "-qq", "-e", "trace=openat", "-o", str(out), "-p", str(node_pid)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(seconds)
+    proc.terminate()
+    proc.wait(10)
+    opens = sum("pids.current" in line for line in out.read_text().splitlines())
+    shutil.rmtree(out.parent, ignore_errors=True)
+    return opens * 60 / seconds
+
+
 def cpu_ticks(pids: list[int]) -> int:
     """utime + stime (clock ticks) of `pids` and their threads."""
     total = 0
@@ -279,6 +300,11 @@ def measure(node: Any, args: argparse.Namespace, report: dict[str, Any]) -> None
     time.sleep(2)
     node_pid = node.proc.pid
     base_avail, base_tasks = meminfo("MemAvailable"), host_tasks()
+    # the node's own CPU with no sandbox, over the same window as the idle reading
+    t_node, t_s = cpu_ticks([node_pid]), time.perf_counter()
+    time.sleep(args.idle)
+    hz = os.sysconf("SC_CLK_TCK")
+    report["node_cpu_empty"] = (cpu_ticks([node_pid]) - t_node) / hz / (time.perf_counter() - t_s)
     report["baseline"] = {"mem_available": base_avail, "host_tasks": base_tasks,
                           "node_rss": rss(node_pid)}  # fmt: skip
     sandboxes: list[Any] = []
@@ -307,13 +333,23 @@ def measure(node: Any, args: argparse.Namespace, report: dict[str, Any]) -> None
                 })  # fmt: skip
             # idle CPU of every sandbox's host processes over `--idle` seconds
             all_pids = [p["pid"] for i in ids for p in processes_of(i)]
-            t_all, t_s = cpu_ticks(all_pids), time.perf_counter()
+            t_all, t_node, t_s = cpu_ticks(all_pids), cpu_ticks([node_pid]), time.perf_counter()
             time.sleep(args.idle)
             took = time.perf_counter() - t_s
             hz = os.sysconf("SC_CLK_TCK")
             report["idle_cpu_per_sandbox"] = (cpu_ticks(all_pids) - t_all) / hz / took / len(ids)
-            print(f"  idle CPU {report['idle_cpu_per_sandbox'] * 100:.2f} % of a core per sandbox",
-                  flush=True)  # fmt: skip
+            node_cpu = (cpu_ticks([node_pid]) - t_node) / hz / took
+            report["idle_node_cpu"] = node_cpu
+            report["load_idle"] = loadavg()
+            print(f"  idle CPU {report['idle_cpu_per_sandbox'] * 100:.2f} % of a core per sandbox,"
+                  f" node {node_cpu * 100:.2f} % ({report['node_cpu_empty'] * 100:.2f} % empty),"
+                  f" load {report['load_idle']}", flush=True)  # fmt: skip
+            if args.trace_reads:
+                report["valve_reads_per_min"] = valve_reads(node_pid, args.trace_reads) / len(ids)
+                print(f"  task valve reads {report['valve_reads_per_min']:.1f} per sandbox"
+                      " per minute", flush=True)  # fmt: skip
+            if args.running_only:
+                return
             # pause: frozen in memory, then hibernated to disk
             t0 = time.perf_counter()
             list(ex.map(lambda s: s.pause(), sandboxes))
@@ -411,6 +447,16 @@ def table(report: dict[str, Any]) -> str:
         )
     if "idle_cpu_per_sandbox" in report:
         lines.append(f"idle CPU per sandbox {report['idle_cpu_per_sandbox'] * 100:.2f} % of a core")
+    if "idle_node_cpu" in report:
+        n = max(len(report["sandbox_ids"]), 1)
+        per = (report["idle_node_cpu"] - report["node_cpu_empty"]) / n
+        lines.append(
+            f"node CPU idle {report['idle_node_cpu'] * 100:.2f} % of a core"
+            f" ({report['node_cpu_empty'] * 100:.2f} % with no sandbox: {per * 100:.3f} % per"
+            f" sandbox), load {report['load_idle']}"
+        )
+    if "valve_reads_per_min" in report:
+        lines.append(f"task valve reads per sandbox per minute {report['valve_reads_per_min']:.1f}")
     if report.get("error"):
         lines.append(f"ERROR: {report['error']}")
     return "\n".join(lines)
@@ -426,6 +472,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hibernate-after", type=int, default=20, help="AENV_HIBERNATE_AFTER")
     p.add_argument("--hibernate-wait", type=float, default=600, help="most seconds to wait for it")
     p.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU reading")
+    p.add_argument(
+        "--trace-reads",
+        type=float,
+        default=0.0,
+        help="seconds of counting the task valve's reads (strace; 0: not)",
+    )
+    p.add_argument(
+        "--running-only",
+        action="store_true",
+        help="stop after the idle reading (no pause, no hibernation)",
+    )
     p.add_argument("--template", default="base")
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the node")
     p.add_argument("--home", type=Path)

@@ -14,14 +14,21 @@ Nothing but the sentry's exit frees them (systrap, whose threads are bounded,
 does not have this).
 
 The node cannot stop the growth, but it can stop what drives it before the
-sandbox dies: `watch_tasks` reads the cgroup's task count every `POLL_S`;
-once it reaches `MARK_SHARE` of the limit it signals envd (`aenv.envd.taskguard`),
-which kills the guest's largest process group, like an OOM killer for tasks.
-The next mark is `STEP_SHARE` of the limit above the count then, since what
-the sandbox already holds stays held. The sandbox, envd and its other
-processes live on; each signal is reported through `on_event`.
+sandbox dies: `watch_tasks` reads the cgroup's task count; once it reaches
+`MARK_SHARE` of the limit it signals envd (`aenv.envd.taskguard`), which kills
+the guest's largest process group, like an OOM killer for tasks. The next
+mark is `STEP_SHARE` of the limit above the count then, since what the
+sandbox already holds stays held. The sandbox, envd and its other processes
+live on; each signal is reported through `on_event`.
 
-`step` is the decision, without IO.
+Every running sandbox has a valve, most of them idle, so a read costs what
+it must and no more: the next one is due when the count could have reached
+the mark growing at `MAX_GROWTH` tasks a second (at most `MAX_POLL_S` on),
+and every `POLL_S` once it is that close. Growing no faster than that, the
+count is seen at the mark within `POLL_S` of reaching it, as if it were read
+every `POLL_S`; an idle sandbox far below it is read every few seconds.
+
+`step` and `next_read` are the decisions, without IO.
 """
 
 from __future__ import annotations
@@ -38,7 +45,15 @@ log = logging.getLogger("aenv.taskvalve")
 MARK_SHARE = 0.5
 # ... and again each time the count grows by this share of it after that.
 STEP_SHARE = 1 / 16
+# Read the count every POLL_S near the mark, and never less often than
+# MAX_POLL_S; far below it, when it could reach the mark growing at
+# MAX_GROWTH tasks a second. The fastest growth measured, a fork bomb held at
+# the process limit, was ~360 a second over its first 5 s and at most ~1,000
+# over any 0.5 s (docs/performance.md); the limit is twice the first mark, so
+# a count growing up to about twice MAX_GROWTH is still seen before the limit.
 POLL_S = 0.5
+MAX_POLL_S = 5.0
+MAX_GROWTH = 2000
 # What envd (pid 1) takes as "end your largest process group": the one
 # `aenv.envd.taskguard` waits for (runtimes may not import envd; a test keeps
 # the two in step).
@@ -61,6 +76,12 @@ def step(current: int, limit: int, mark: int) -> tuple[bool, int]:
     return True, mark_after(current, limit)
 
 
+def next_read(current: int, mark: int) -> float:
+    """Seconds until the count, `current` now, is read again: when it could
+    reach `mark` growing at `MAX_GROWTH`, within [`POLL_S`, `MAX_POLL_S`]."""
+    return min(MAX_POLL_S, max(POLL_S, (mark - current) / MAX_GROWTH))
+
+
 async def watch_tasks(
     read_current: Callable[[], int | None],
     limit: int,
@@ -68,14 +89,15 @@ async def watch_tasks(
     on_event: Callable[[str], None],
 ) -> None:
     """Until cancelled (or the count cannot be read: the sandbox is gone): signal
-    envd each time the host task count passes a mark (`step`)."""
+    envd each time the host task count passes a mark (`step`), reading it when
+    `next_read` says. `read_current` is called on the event loop, so it must
+    not block: a read of a cgroup's `pids.current` (a kernel counter, no disk)
+    costs less than handing it to a worker thread would."""
+    await trio.lowlevel.checkpoint()
+    current = read_current()
     # (what a sandbox taken over or restored holds already is no reason to act)
-    first = await trio.to_thread.run_sync(read_current)
-    mark = max(first_mark(limit), mark_after(first or 0, limit))
-    while True:
-        current = await trio.to_thread.run_sync(read_current)
-        if current is None:
-            return
+    mark = max(first_mark(limit), mark_after(current or 0, limit))
+    while current is not None:
         fire, mark = step(current, limit, mark)
         if fire:
             on_event(
@@ -86,4 +108,5 @@ async def watch_tasks(
                 await signal_guest()
             except Exception as exc:  # e.g. runsc refused: the next mark tries again
                 log.warning("signalling envd failed: %s", exc)
-        await trio.sleep(POLL_S)
+        await trio.sleep(next_read(current, mark))
+        current = read_current()

@@ -292,8 +292,13 @@ def test_fork_bomb_is_ended_before_the_runtimes_host_tasks_run_out() -> None:
     with private_node(env, leak_prefix=None) as n:
         s = Sandbox.create(TEMPLATE, timeout=600)
         quiet = s.commands.run("sleep 600", background=True, timeout=0)
-        # (the shell that starts it returns at once; its descendants fork on)
-        s.commands.run("timeout 90 bash -c 'b(){ b|b& }; b'", background=True)
+        # (the shell that starts it returns at once; its descendants fork on. A
+        # bash bomb can die out by itself when every fork fails at the process
+        # limit, once here at ~1,600 host tasks, before the valve's mark: the
+        # loop seeds it again each second, in the same process group)
+        s.commands.run(
+            "timeout 90 bash -c 'b(){ b|b& }; while :; do b; sleep 1; done'", background=True
+        )
         t0 = time.monotonic()
         bombs: list[int] = []
         while time.monotonic() - t0 < 60:  # envd answers throughout
