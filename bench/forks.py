@@ -7,7 +7,8 @@ with nothing of aenv running) on the sandbox aenv runs (the template's root
 filesystem under an overlay, envd as init): `runsc checkpoint
 --leave-running`, then one `runsc restore` of that image into a fresh
 container ID in a netns of its own (the issue's yardstick: one restore), and
-checkpoint --leave-running + 4 concurrent restores (bench/run.py's fork floor).
+checkpoint --leave-running + 4 and + 20 concurrent restores (bench/run.py's
+fork floor: what runsc alone does for a fork of 4 or 20).
 
 The aenv side: one node (`python -m aenv serve`, free loopback port, private
 home with the bundle and templates linked, netns prefix and slot range as
@@ -23,11 +24,16 @@ a capture that stops the source shows as a gap. Timed:
   long a window without a snapshot (scheduling noise on a shared machine);
 - from the sandboxes' logs, the node's own breakdown of each capture (close
   connections, runsc pause, checkpoint, file layer, resume) and of each child's
-  start (root overlay, network slot, restore, envd, journal), as medians.
+  start (root overlay, network slot, restore, envd, journal), as medians;
+- a profile of each fork(20) next to its floor: when each child started and
+  ended its restore (from its log line's time and phases), how many restores
+  ran at once, the host's busy CPU time over the call and the CPU the
+  children's sandboxes (their cgroups) and the node process used.
 
 Prints a table with the issue's targets (fork(4) <= 1.3x one restore, fork(20)
-<= 3x, the snapshot's hold <= 100 ms) and writes JSON to
-bench/results/forks-<timestamp>.json. Needs root and runsc.
+<= 3x, the snapshot's hold <= 100 ms), the forks against their own floor (N
+concurrent restores), and writes JSON to bench/results/forks-<timestamp>.json.
+Needs root and runsc.
 
     .venv/bin/python bench/forks.py [--n 10] [--n20 3] [--home DIR] [--template base]
 
@@ -44,6 +50,7 @@ import json
 import os
 import platform
 import re
+import resource
 import secrets
 import shutil
 import statistics
@@ -63,7 +70,7 @@ from aenv.config import Config  # noqa: E402
 from aenv.runtimes.base import ENVD_PORT  # noqa: E402
 from aenv.storage.bundle import envd_command  # noqa: E402
 from bench.run import (  # noqa: E402
-    FORK_NETS,
+    FLOOR_CGROUP,
     MAIN_NET,
     NET_PREFIX,
     NODE_TAG,
@@ -77,6 +84,7 @@ from bench.run import (  # noqa: E402
     bench_home,
     envd_rootfs,
     floor_network,
+    fork_nets,
     interrupt_on_sigterm,
     loadavg,
     percentile,
@@ -111,15 +119,79 @@ ROWS: tuple[tuple[str, str | None, str | None, float | str | None], ...] = (
     ("fork(count=1)", "fork_1", "restore", None),
     ("fork(count=4)", "fork_4", "restore", "1.3x"),
     ("fork(count=20)", "fork_20", "restore", "3x"),
+    ("  fork(count=4) against checkpoint + 4 restores", "fork_4", "fork_4", None),
+    ("  fork(count=20) against checkpoint + 20 restores", "fork_20", "fork_20", None),
     ("create_snapshot (call)", "snapshot", "checkpoint_leave_running", None),
     ("create_snapshot: source held (ticker gap)", "snapshot_gap", None, 100.0),
     ("  ticker gap without a snapshot (noise)", "idle_gap", None, None),
     ("floor: runsc restore (one)", None, "restore", None),
     ("floor: checkpoint --leave-running", None, "checkpoint_leave_running", None),
     ("floor: checkpoint --leave-running + 4 restores", None, "fork_4", None),
+    ("floor: checkpoint --leave-running + 20 restores", None, "fork_20", None),
 )
+# the floor's children: one netns each, as many as the largest fork
+FORK_NETS = fork_nets(20)
 PHASE_LINE = re.compile(r"(captured for a fork of \d+|captured for a snapshot|running: started)"
                         r" in (\d+) ms \(([^)]*)\)")  # fmt: skip
+
+
+# -- CPU ----------------------------------------------------------------------------
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def host_busy_s() -> float:
+    """CPU seconds the host has been busy (all CPUs, neither idle nor waiting for I/O)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / TICK
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and of its reaped children (utime, stime, cutime, cstime)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / TICK
+
+
+def reaped_cpu_s() -> float:
+    """CPU seconds of this process's reaped children (the floor's runsc CLIs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cgroup_cpu_s(path: str) -> float:
+    """CPU seconds a cgroup (v1 cpuacct; v2 cpu.stat) has used; 0 where there is none."""
+    for f, scale in ((CPUACCT / path / "cpuacct.usage", 1e9),
+                     (Path("/sys/fs/cgroup") / path / "cpu.stat", 1e6)):  # fmt: skip
+        with contextlib.suppress(OSError, ValueError):
+            text = f.read_text()
+            if f.name == "cpu.stat":
+                text = text.split()[1]  # usage_usec
+            return int(text) / scale
+    return 0.0
+
+
+def sandbox_cpu_s(sandbox_id: str) -> float:
+    """CPU seconds of a node's sandbox, found by its ID under any cgroup parent."""
+    sid = sandbox_id.split("-", 1)[0]
+    for root in (CPUACCT, Path("/sys/fs/cgroup")):
+        for d in root.glob(f"*/{sid}*"):
+            return cgroup_cpu_s(str(d.relative_to(root)))
+    return 0.0
+
+
+def _overlap(spans: list[tuple[float, float]]) -> int:
+    """The most spans open at one instant."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    most = now = 0
+    for _, d in edges:
+        now += d
+        most = max(most, now)
+    return most
 
 
 # -- the floor --------------------------------------------------------------------
@@ -183,19 +255,41 @@ class FloorRig:
         self.floor.delete(child)
         shutil.rmtree(image)
 
-    def fork4(self, results: dict[str, Series]) -> None:
-        """checkpoint --leave-running + 4 concurrent restores (bench/run.py's fork floor)."""
+    def fork(
+        self,
+        count: int,
+        results: dict[str, Series],
+        profiles: list[dict[str, Any]] | None = None,
+        limit: int | None = None,
+    ) -> None:
+        """checkpoint --leave-running + `count` concurrent restores (bench/run.py's
+        fork floor), at most `limit` at once; with `profiles`, one more profile
+        of it (`profile`)."""
         image = self._image()
-        children = [(f"aenvbench-f4-{self.tag}-{self.samples}-{j}", net) for j, net in
-                    enumerate(FORK_NETS[:4])]  # fmt: skip
+        children = [(f"aenvbench-f{count}-{self.tag}-{self.samples}-{j:02d}", net) for j, net in
+                    enumerate(FORK_NETS[:count])]  # fmt: skip
         prepared = [
             (c, *self.floor.prepare_restore(c, self.rootfs, image, net, self.init))
             for c, net in children
         ]
+        cpu0, clis0 = host_busy_s(), reaped_cpu_s()
         t0 = time.perf_counter()
         self.floor.checkpoint(self.source, image, leave_running=True)
-        self.floor.restore_all(prepared)
-        results["fork_4"].samples.append((time.perf_counter() - t0) * 1000)
+        t1 = time.perf_counter()
+        ended = self.floor.restore_all(prepared, limit)
+        t2 = time.perf_counter()
+        key = f"fork_{count}" if limit is None else f"fork_{count}_at_{limit}"
+        results.setdefault(key, Series()).samples.append((t2 - t0) * 1000)
+        if profiles is not None:
+            sandbox_cpu = [cgroup_cpu_s(f"{FLOOR_CGROUP}/{c}") for c, _ in children]
+            profiles.append({
+                "ms": (t2 - t0) * 1000,
+                "capture_ms": (t1 - t0) * 1000,
+                "restores": [((t1 - t0) * 1000, (e - t0) * 1000) for e in ended],
+                "host_busy_s": host_busy_s() - cpu0,
+                "children_cpu_s": sum(sandbox_cpu),
+                "clis_cpu_s": reaped_cpu_s() - clis0,
+            })  # fmt: skip
         for c, _ in children:
             self.floor.exec(c, "/bin/true")
             self.floor.delete(c)
@@ -205,13 +299,35 @@ class FloorRig:
 # -- aenv ---------------------------------------------------------------------------
 
 
-def _logs(node: NodeProc, sandbox_id: str) -> list[str]:
+def _entries(node: NodeProc, sandbox_id: str) -> list[dict[str, Any]]:
     r = httpx.get(
         f"{node.url}/sandboxes/{sandbox_id}/logs",
         headers={"X-API-Key": node.api_key},
         timeout=10,
     )
-    return [e["line"] for e in r.json().get("logs", [])] if r.status_code == 200 else []
+    return list(r.json().get("logs", [])) if r.status_code == 200 else []
+
+
+def _logs(node: NodeProc, sandbox_id: str) -> list[str]:
+    return [e["line"] for e in _entries(node, sandbox_id)]
+
+
+def _child_span(entries: list[dict[str, Any]], t0_wall: float) -> dict[str, float] | None:
+    """A fork child's start from its log line: when it began and ended (ms after
+    the fork call, by the line's time) and its phases."""
+    for e in entries:
+        m = PHASE_LINE.search(e["line"])
+        if m is None or not m.group(1).startswith("running"):
+            continue
+        end = datetime.datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00"))
+        end_ms = (end.timestamp() - t0_wall) * 1000
+        span = {"begin": end_ms - float(m.group(2)), "end": end_ms}
+        for part in m.group(3).split(", "):
+            name, _, ms = part.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                span[name] = float(ms)
+        return span
+    return None
 
 
 def _phases(
@@ -249,14 +365,26 @@ def _fork(
     count: int,
     results: dict[str, Series],
     phases: dict[str, dict[str, list[float]]],
+    profiles: list[dict[str, Any]] | None = None,
 ) -> None:
+    cpu0, node0, t0_wall = host_busy_s(), process_cpu_s(node.proc.pid), time.time()
     t0 = time.perf_counter()
     children = sbx.fork(count=count, timeout=300)
     results[f"fork_{count}"].samples.append((time.perf_counter() - t0) * 1000)
+    busy, node_cpu = host_busy_s() - cpu0, process_cpu_s(node.proc.pid) - node0
     try:
         for c in children:
             if isinstance(c, Exception):
                 raise c
+        if profiles is not None:
+            spans = [_child_span(_entries(node, c.sandbox_id), t0_wall) for c in children]
+            profiles.append({
+                "ms": results[f"fork_{count}"].samples[-1],
+                "children": [s for s in spans if s is not None],
+                "host_busy_s": busy,
+                "node_cpu_s": node_cpu,
+                "children_cpu_s": sum(sandbox_cpu_s(c.sandbox_id) for c in children),
+            })  # fmt: skip
         for c in children:
             if c.commands.run("cat /tmp/state").stdout.strip() != "1":
                 raise AssertionError(f"fork {c.sandbox_id} lost the source's file")
@@ -277,6 +405,8 @@ def measure(
     aenv: dict[str, Series],
     floor: dict[str, Series],
     phases: dict[str, dict[str, list[float]]],
+    profiles: dict[str, list[dict[str, Any]]],
+    floor_limit: int | None = None,
 ) -> None:
     """Rounds of floor and aenv samples, one after the other."""
     from e2b import Sandbox
@@ -291,11 +421,14 @@ def measure(
             _fork(node, sbx, 1, aenv, phases)
             _fork(node, sbx, 4, aenv, phases)
             if rig is not None:
-                rig.fork4(floor)
+                rig.fork(4, floor)
         for _ in range(n20):
             if rig is not None:
                 rig.restore_one(floor)
-            _fork(node, sbx, 20, aenv, phases)
+                rig.fork(20, floor, profiles["floor"])
+                if floor_limit:
+                    rig.fork(20, floor, limit=floor_limit)
+            _fork(node, sbx, 20, aenv, phases, profiles["aenv"])
         # the ticker only now: the forks' children would each run one
         sbx.files.write("/tmp/ticker.py", TICKER)
         sbx.commands.run("python3 /tmp/ticker.py > /tmp/ticker.out 2>&1", background=True)
@@ -328,11 +461,18 @@ def bench(
     config: Config,
     with_floor: bool,
     spares: int | None = None,
-) -> tuple[dict[str, Series], dict[str, Series], dict[str, dict[str, list[float]]]]:
+    floor_limit: int | None = None,
+) -> tuple[
+    dict[str, Series],
+    dict[str, Series],
+    dict[str, dict[str, list[float]]],
+    dict[str, list[dict[str, Any]]],
+]:
     keys = ("fork_1", "fork_4", "fork_20", "snapshot", "snapshot_gap", "idle_gap")
     aenv = {k: Series() for k in keys}
-    floor = {k: Series() for k in ("restore", "checkpoint_leave_running", "fork_4")}
+    floor = {k: Series() for k in ("restore", "checkpoint_leave_running", "fork_4", "fork_20")}
     phases: dict[str, dict[str, list[float]]] = {}
+    profiles: dict[str, list[dict[str, Any]]] = {"aenv": [], "floor": []}
     private = workdir / "home"
     private.mkdir(parents=True)
     link_home(home, private)
@@ -355,7 +495,7 @@ def bench(
             )
             try:
                 with _sdk_env(node):
-                    measure(node, rig, template, n, n20, aenv, floor, phases)
+                    measure(node, rig, template, n, n20, aenv, floor, phases, profiles, floor_limit)
             except Exception as e:
                 print(f"--- node log ---\n{node.log_tail(40)}", file=sys.stderr)
                 print(f"aenv side failed: {_describe(e)}", file=sys.stderr)
@@ -371,7 +511,7 @@ def bench(
                 s.error = _describe(e)
     finally:
         shutil.rmtree(private, ignore_errors=True)
-    return aenv, floor, phases
+    return aenv, floor, phases, profiles
 
 
 # -- report -------------------------------------------------------------------------
@@ -392,7 +532,9 @@ def table(
             "target", "met")  # fmt: skip
     rows = [head]
     verdicts: dict[str, Any] = {}
-    for label, akey, fkey, target in ROWS:
+    extra = [(f"floor: checkpoint --leave-running + 20 restores, {k.rsplit('_', 1)[1]} at once",
+              None, k, None) for k in floor if k.startswith("fork_20_at_")]  # fmt: skip
+    for label, akey, fkey, target in (*ROWS, *extra):
         a = aenv.get(akey) if akey else None
         f = floor.get(fkey) if fkey else None
         mine = percentile(a.samples, 50) if a and a.samples else None
@@ -432,6 +574,78 @@ def table(
     return "\n".join(lines), verdicts
 
 
+def _restore_span(child: dict[str, float]) -> tuple[float, float]:
+    """When a child's restore ran (ms after the fork call): the phases after it
+    (envd, journal) are taken off its end."""
+    end = child["end"] - child.get("envd", 0.0) - child.get("journal", 0.0)
+    return end - child.get("restore", 0.0), end
+
+
+def profile(profiles: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The fork(20) profile's lines: aenv's children against the floor's restores
+    (medians over the samples; ms after the call began, CPU in seconds)."""
+    lines = []
+    med = statistics.median
+    aenv, floor = profiles.get("aenv", []), profiles.get("floor", [])
+    if aenv:
+        lines.append("fork(20) profile, aenv (median over the calls; ms after the call):")
+        kids = [c for p in aenv for c in p["children"]]
+        spans = [[_restore_span(c) for c in p["children"]] for p in aenv]
+        if kids:
+            parts = ", ".join(f"{k} {med(c.get(k, 0.0) for c in kids):.0f}"
+                              for k in ("root", "network", "restore", "envd", "journal"))  # fmt: skip
+            lines.append(f"  child phases: {parts}")
+            lines.append(
+                "  first child began {:.0f}, last began {:.0f}; first restore began {:.0f}, "
+                "first ended {:.0f}, last ended {:.0f}; last child running {:.0f}; "
+                "call {:.0f}".format(
+                    med(min(c["begin"] for c in p["children"]) for p in aenv),
+                    med(max(c["begin"] for c in p["children"]) for p in aenv),
+                    med(min(a for a, _ in sp) for sp in spans),
+                    med(min(b for _, b in sp) for sp in spans),
+                    med(max(b for _, b in sp) for sp in spans),
+                    med(max(c["end"] for c in p["children"]) for p in aenv),
+                    med(p["ms"] for p in aenv),
+                )
+            )
+            lines.append(f"  restores at once, at most: {med(_overlap(sp) for sp in spans):.0f}")
+        lines.append(
+            "  CPU s: host busy {:.2f} ({:.0f}% of {} CPUs over the call), children's "
+            "sandboxes {:.2f}, node process (with its reaped children) {:.2f}".format(
+                med(p["host_busy_s"] for p in aenv),
+                100
+                * med(p["host_busy_s"] / (p["ms"] / 1000) for p in aenv)
+                / (os.cpu_count() or 1),
+                os.cpu_count(),
+                med(p["children_cpu_s"] for p in aenv),
+                med(p["node_cpu_s"] for p in aenv),
+            )
+        )
+    if floor:
+        lines.append("fork(20) profile, floor (checkpoint + 20 restores):")
+        lines.append(
+            "  checkpoint {:.0f}; restores ended: first {:.0f}, median {:.0f}, last {:.0f}".format(
+                med(p["capture_ms"] for p in floor),
+                med(min(b for _, b in p["restores"]) for p in floor),
+                med(med(b for _, b in p["restores"]) for p in floor),
+                med(max(b for _, b in p["restores"]) for p in floor),
+            )
+        )
+        lines.append(
+            "  CPU s: host busy {:.2f} ({:.0f}% of {} CPUs over the call), children's "
+            "sandboxes {:.2f}, runsc's CLIs (checkpoint, restores) {:.2f}".format(
+                med(p["host_busy_s"] for p in floor),
+                100
+                * med(p["host_busy_s"] / (p["ms"] / 1000) for p in floor)
+                / (os.cpu_count() or 1),
+                os.cpu_count(),
+                med(p["children_cpu_s"] for p in floor),
+                med(p.get("clis_cpu_s", 0.0) for p in floor),
+            )
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=10, help="samples per operation (default 10)")
@@ -441,6 +655,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-floor", action="store_true", help="measure only aenv")
     p.add_argument(
         "--spares", type=int, help="the node's AENV_START_SPARES (default: the node's default)"
+    )
+    p.add_argument(
+        "--floor-limit",
+        type=int,
+        help="also time the floor's fork(20) with at most this many restores at once",
     )
     args = p.parse_args(argv)
     if not 1 <= args.n <= 1000 or not 0 <= args.n20 <= 100:
@@ -453,13 +672,14 @@ def main(argv: list[str] | None = None) -> int:
     floor_res: dict[str, Series] = {}
     aenv_res: dict[str, Series] = {}
     phases: dict[str, dict[str, list[float]]] = {}
+    profiles: dict[str, list[dict[str, Any]]] = {}
     workdir = Path(tempfile.mkdtemp(prefix="aenv-bench-forks-"))
     try:
         print(f"aenv (a node + e2b SDK) and runsc ({config.runsc_platform}) in turns, "
               f"n={args.n}, fork(20) n={args.n20} ...", flush=True)  # fmt: skip
-        aenv_res, floor_res, phases = bench(
+        aenv_res, floor_res, phases, profiles = bench(
             home, args.template, args.n, args.n20, workdir, config, not args.skip_floor,
-            args.spares,
+            args.spares, args.floor_limit,
         )  # fmt: skip
     except (KeyboardInterrupt, Interrupted):
         print("interrupted; cleaned up", file=sys.stderr)
@@ -471,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = datetime.datetime.now(datetime.UTC) - started
     print()
     print(text)
+    if profiles:
+        print("\n".join(["", *profile(profiles)]))
     print(f"\nload average {load_start} at start, {load_end} at end; "
           f"{os.cpu_count()} CPUs; {elapsed.total_seconds():.0f} s")  # fmt: skip
     report = {
@@ -480,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         "n20": args.n20,
         "template": args.template,
         "spares": args.spares,
+        "floor_limit": args.floor_limit,
         "host": {
             "kernel": platform.release(),
             "cpus": os.cpu_count(),
@@ -495,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
             what: {name: statistics.median(v) for name, v in parts.items() if v}
             for what, parts in phases.items()
         },
+        "fork_20_profiles": profiles,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"forks-{started.strftime('%Y%m%dT%H%M%SZ')}.json"

@@ -52,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -587,15 +588,24 @@ class FloorNet:
 
 
 MAIN_NET = FloorNet(FLOOR_NETNS, FLOOR_VETH, FLOOR_HOST_IP, FLOOR_GUEST_IP)
-FORK_NETS = tuple(
-    FloorNet(
-        f"{NET_PREFIX}f{i}",
-        f"{NET_PREFIX}fh{i}",
-        f"{_FLOOR_NET}.0.{4 * i + 1}",
-        f"{_FLOOR_NET}.0.{4 * i + 2}",
+
+
+def fork_nets(count: int) -> tuple[FloorNet, ...]:
+    """The nets of `count` floor fork children (at most 63: one /30 each in
+    <floor net>.0.0/24, after the first)."""
+    assert 0 <= count <= 63
+    return tuple(
+        FloorNet(
+            f"{NET_PREFIX}f{i}",
+            f"{NET_PREFIX}fh{i}",
+            f"{_FLOOR_NET}.0.{4 * i + 1}",
+            f"{_FLOOR_NET}.0.{4 * i + 2}",
+        )
+        for i in range(1, count + 1)
     )
-    for i in range(1, FORK_MAX + 1)
-)
+
+
+FORK_NETS = fork_nets(FORK_MAX)
 
 
 # A floor sandbox's init process: argv and environment.
@@ -711,27 +721,51 @@ class Floor:
         )  # fmt: skip
         return self.in_private_netfs(cmd), bundle_dir
 
-    def restore_all(self, prepared: list[tuple[str, list[str], Path]]) -> None:
-        """Run the prepared restores concurrently; return once all have (raise if one failed)."""
-        procs = []
-        for cid, cmd, bundle_dir in prepared:
+    def restore_all(
+        self, prepared: list[tuple[str, list[str], Path]], limit: int | None = None
+    ) -> list[float]:
+        """Run the prepared restores concurrently (at most `limit` at once, in
+        order); return once all have (raise if one failed), with when each
+        ended (`time.perf_counter()`, in order)."""
+        gate = threading.Semaphore(limit or len(prepared) or 1)
+        ended = [0.0] * len(prepared)
+        codes: list[int | None] = [None] * len(prepared)
+        turns = [threading.Event() for _ in prepared]  # each starts after the one before
+
+        def one(i: int, cid: str, cmd: list[str], bundle_dir: Path) -> None:
+            if i:
+                turns[i - 1].wait()
+            with gate:
+                try:
+                    with (bundle_dir / "console.log").open("ab") as log:
+                        proc = subprocess.Popen(
+                            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                        )
+                finally:
+                    turns[i].set()  # (a restore that did not start: codes[i] stays None)
+                try:
+                    codes[i] = proc.wait(timeout=STEP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    codes[i] = proc.wait()
+                ended[i] = time.perf_counter()
+
+        for cid, _, _ in prepared:
             self.containers.add(cid)
-            with (bundle_dir / "console.log").open("ab") as log:
-                procs.append((cid, bundle_dir, subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-                )))  # fmt: skip
+        # one thread per restore: each one's end, not the slowest before it
+        threads = [threading.Thread(target=one, args=(i, *p)) for i, p in enumerate(prepared)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         failed = []
-        for cid, bundle_dir, proc in procs:
-            try:
-                code = proc.wait(timeout=STEP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
+        for (cid, _, bundle_dir), code in zip(prepared, codes, strict=True):
             if code != 0:
                 tail = (bundle_dir / "console.log").read_text(errors="replace")[-1500:]
                 failed.append(f"runsc restore {cid} exited {code}: {tail}")
         if failed:
             raise RuntimeError("; ".join(failed))
+        return ended
 
     def exec(self, cid: str, *argv: str, data: bytes | None = None) -> bytes:
         kw: dict[str, Any] = {"input": data} if data is not None else {}

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 
@@ -598,4 +598,26 @@ async def test_spare_slots_are_handed_out_with_the_policy_asked_for(internet: st
         await wait_for(lambda: hn.statistics()["slots_spare"] == 2)
         assert lost == []
         nursery.cancel_scope.cancel()
+    assert [x for x in leftovers() if INET_NS not in x and INET_LINK not in x] == []
+
+
+async def test_slots_opened_at_once_share_rules_transactions(internet: str) -> None:
+    """A burst of opens (a fork's children) writes its slots' rules in a few nft
+    transactions, not one each, and every slot still gets its own policy."""
+    policies = [EgressPolicy(allow_internet=i % 2 == 0) for i in range(6)]
+    async with open_host_network(prefix=PREFIX, table=TABLE, cidr=CIDR) as hn:
+        slots: list[NetSlot | None] = [None] * len(policies)
+        async with AsyncExitStack() as stack:
+
+            async def one(i: int) -> None:
+                slots[i] = await stack.enter_async_context(hn.open_slot(policies[i]))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(policies)):
+                    nursery.start_soon(one, i)
+            for slot, policy in zip(slots, policies, strict=True):
+                assert slot is not None
+                want = f"ok:{INET_HOST_IP}" if policy.allow_internet else "blocked"
+                assert await probe(slot.netns_name, internet) == want
+            assert hn.statistics()["rules_transactions_total"] < len(policies)
     assert [x for x in leftovers() if INET_NS not in x and INET_LINK not in x] == []
