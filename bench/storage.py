@@ -24,6 +24,10 @@ One run starts moto's S3 server on loopback (tests/s3.py) and measures:
   the node has in the first one's image (copied, not fetched).
   Cold is measured twice: with the snapshot's layers served on demand (the
   default) and downloaded whole first (`AENV_LAZY_RESTORE=0`, cold_eager).
+  Each sample's parts come from the node's own log too: its restore from the
+  store (manifest, restore.*) and its create's phases (node.root, .network,
+  .restore: runsc's, .envd, .journal); a cold node's start (until /health
+  answers) is timed as well. --keep-logs DIR keeps every node's log.
 
 It prints p50/p95 and writes JSON to bench/results/storage-<timestamp>.json.
 Nodes use their own netns prefix and slot range (AENV_BENCH_NET_PREFIX,
@@ -34,6 +38,7 @@ else .state/test-home; `make test-artefacts`); --skip-nodes measures only
 the store's throughput.
 
     .venv/bin/python bench/storage.py [--n 3] [--mb 64] [--data-mb 16] [--home DIR]
+        [--skip-throughput] [--skip-eager] [--keep-logs DIR]
 """
 
 from __future__ import annotations
