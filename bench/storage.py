@@ -24,6 +24,10 @@ One run starts moto's S3 server on loopback (tests/s3.py) and measures:
   the node has in the first one's image (copied, not fetched).
   Cold is measured twice: with the snapshot's layers served on demand (the
   default) and downloaded whole first (`AENV_LAZY_RESTORE=0`, cold_eager).
+  Each sample's parts come from the node's own log too: its restore from the
+  store (manifest, restore.*) and its create's phases (node.root, .network,
+  .restore: runsc's, .envd, .journal); a cold node's start (until /health
+  answers) is timed as well. --keep-logs DIR keeps every node's log.
 
 It prints p50/p95 and writes JSON to bench/results/storage-<timestamp>.json.
 Nodes use their own netns prefix and slot range (AENV_BENCH_NET_PREFIX,
@@ -34,6 +38,7 @@ else .state/test-home; `make test-artefacts`); --skip-nodes measures only
 the store's throughput.
 
     .venv/bin/python bench/storage.py [--n 3] [--mb 64] [--data-mb 16] [--home DIR]
+        [--skip-throughput] [--skip-eager] [--keep-logs DIR]
 """
 
 from __future__ import annotations
@@ -178,15 +183,23 @@ def _node(
     return start_node(home, api_key=key, log_path=home / "node.log", extra_env=env)
 
 
+KEEP_LOGS: Path | None = None  # --keep-logs: each node's log is copied there
+
+
 def _stop(node: NodeProc) -> None:
     code = stop_node(node)
     left = leaks(node.home, NET_PREFIX)
     if code != 0 or left:
         print(f"node exit {code}, left {left}\n{node.log_tail(30)}", file=sys.stderr)
+    if KEEP_LOGS is not None:
+        KEEP_LOGS.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(node.log_path, KEEP_LOGS / f"{node.home.name}.log")
     shutil.rmtree(node.home, ignore_errors=True)
 
 
-def _resume_once(snapshot_id: str, parts: dict[str, list[float]] | None = None) -> float:
+def _resume_once(
+    snapshot_id: str, parts: dict[str, list[float]] | None = None, node: NodeProc | None = None
+) -> float:
     from e2b import Sandbox
 
     t0 = time.perf_counter()
@@ -200,7 +213,25 @@ def _resume_once(snapshot_id: str, parts: dict[str, list[float]] | None = None) 
     if parts is not None:
         parts.setdefault("create", []).append(t1 - t0)
         parts.setdefault("first_command", []).append(t2 - t1)
+        if node is not None:
+            _create_phases(node, s.sandbox_id, parts)
     return t2 - t0
+
+
+_STARTED = re.compile(r"running: started in ([0-9]+) ms \(([^)]*)\)")
+
+
+def _create_phases(node: NodeProc, sandbox_id: str, parts: dict[str, list[float]]) -> None:
+    """Add the node's own phases of the sandbox's create (its `running: started
+    in` line: root, network, restore, envd, journal) to `parts`, as `node.*`."""
+    for line in node.log_path.read_text(errors="replace").splitlines():
+        hit = _STARTED.search(line) if f"{sandbox_id}:" in line else None
+        if hit is None:
+            continue
+        parts.setdefault("node", []).append(int(hit.group(1)) / 1000)
+        for word in hit.group(2).split(", "):
+            name, _, ms = word.rpartition(" ")
+            parts.setdefault(f"node.{name}", []).append(int(ms) / 1000)
 
 
 _PHASE = re.compile(r"in ([0-9.]+)s(?: \(([^)]*)\))?")
@@ -279,15 +310,18 @@ def resume(
     cold_parts: dict[str, list[float]] = {}
     warm_parts: dict[str, list[float]] = {}
     serving_parts: dict[str, list[float]] = {}
+    starts: list[float] = []
     for i in range(n):
+        t0 = time.perf_counter()
         node = _node(built, work, f"cold{i}", s3, prefix, key)
+        starts.append(time.perf_counter() - t0)  # until /health answers
         env = Env(node)
         try:
-            cold.append(_resume_once(sid, cold_parts))
-            warm.append(_resume_once(sid, warm_parts))
-            serving.append(_resume_once(other, serving_parts))
+            cold.append(_resume_once(sid, cold_parts, node))
+            warm.append(_resume_once(sid, warm_parts, node))
+            serving.append(_resume_once(other, serving_parts, node))
             # the later snapshot of the first sandbox: most of its pages are local now
-            following.append(_resume_once(sid2, next_parts))
+            following.append(_resume_once(sid2, next_parts, node))
             _store_phases(node, sid, cold_parts)
             _store_phases(node, other, serving_parts)
             _store_phases(node, sid2, next_parts)
@@ -308,6 +342,7 @@ def resume(
         "snapshot_upload": detail.get("storageUpload"),
         "second_snapshot_durable_s": round(second_wait, 3),
         "second_snapshot_upload": detail2.get("storageUpload"),
+        "node_start_s": stats(starts),
         "cold_s": stats(cold),
         "cold_eager_s": stats(eager),
         "warm_s": stats(warm),
@@ -329,7 +364,10 @@ def main() -> int:
     ap.add_argument("--skip-nodes", action="store_true", help="throughput only")
     ap.add_argument("--skip-throughput", action="store_true", help="resume only")
     ap.add_argument("--skip-eager", action="store_true", help="no cold_eager samples")
+    ap.add_argument("--keep-logs", type=Path, help="copy each node's log into this directory")
     args = ap.parse_args()
+    global KEEP_LOGS
+    KEEP_LOGS = args.keep_logs
     home = None if args.skip_nodes else bench_home(ap, args.home)
     interrupt_on_sigterm()
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
@@ -360,6 +398,8 @@ def main() -> int:
                 f"({up2.get('imageBytes')} of memory: {up2.get('reusedPages')} of "
                 f"{up2.get('imagePages')} pages already stored)"
             )
+            st = rs["node_start_s"]
+            print(f"a cold sample's node up (/health) in p50 {st['p50']:.3f}s p95 {st['p95']:.3f}s")
             for kind in ("cold", "cold_eager", "cold_serving", "cold_next", "warm"):
                 st = rs[f"{kind}_s"]
                 if st["n"]:

@@ -62,7 +62,7 @@ from aenv.kit.supervisor import (
     Supervisor,
     run_supervisor,
 )
-from aenv.node import forks, guest, pressure
+from aenv.node import forks, guest, pressure, primer
 from aenv.node.builds import Builds
 from aenv.node.defaults import DefaultTemplates
 from aenv.node.durable import Durable
@@ -1298,6 +1298,17 @@ async def _node_on_runtime(
                 policy=WATCHER_RESTARTS,
                 give_up=Strategy.FAIL,
             )
+            # once-per-process work: before /health answers, not on the first create
+            await primer.prime(runtime)
+            if node.durable.store is not None:
+                store = node.durable.store
+                node.services.start_soon(
+                    "store-warm-up",
+                    lambda _stop: primer.warm_store(store),
+                    policy=ONE_SHOT,
+                    give_up=Strategy.FAIL,
+                    grace_s=0.0,
+                )
             yield node
 
 

@@ -69,10 +69,11 @@ _CLOSE_WAIT_S = 1.0
 
 
 @functools.cache
-def _tls_context() -> ssl.SSLContext:
+def client_tls_context() -> ssl.SSLContext:
     """One TLS context for every sandbox client (they speak plain HTTP, but httpx
     builds a context per client otherwise: ~35 ms of CPU each, paid on every
-    create, resume and capture)."""
+    create, resume and capture). Built as the node starts (`aenv.node.primer`),
+    not on its first create."""
     return ssl.create_default_context()
 
 
@@ -109,7 +110,7 @@ def _http_client() -> ForwardingClient:
     return ForwardingClient(
         limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
         timeout=httpx.Timeout(30.0),
-        verify=_tls_context(),
+        verify=client_tls_context(),
     )
 
 

@@ -38,7 +38,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,7 +208,7 @@ class GVisorSandbox:
         )
         try:
             if rt.exclude_zero_pages is None:
-                rt.exclude_zero_pages = await trio.to_thread.run_sync(rt._knows_zero_page_exclusion)
+                await rt._probe_zero_page_exclusion()
             args = ["checkpoint", "--image-path", str(image_dir)]
             args += ["--compression", rt.compression]
             if rt.exclude_zero_pages:
@@ -399,10 +399,11 @@ class GVisorRuntime:
         self.platform = platform
         self.state_root = Path(state_root)
         self.cgroup_parent = cgroup_parent.strip("/")
-        # None: use the flag if this runsc knows it (probed once, on first start).
+        # None: use the flag if this runsc knows it (probed once: `probe`, or
+        # else on the first start).
         self.net_disconnect_ok = net_disconnect_ok
         # None: leave zero pages out of memory images if this runsc can
-        # (probed on the first checkpoint)
+        # (probed once: `probe`, or else on the first checkpoint)
         self.exclude_zero_pages: bool | None = None
         # one hibernated image packed at a time: CPU-bound, and a burst of
         # hibernations must not take a worker thread (and its heap) each
@@ -456,11 +457,39 @@ class GVisorRuntime:
                 await self._stop(spec.sandbox_id, cgroups)
                 await trio.to_thread.run_sync(_remove_bundle, spec.workdir)
 
+    async def probe(self) -> None:
+        """Ask runsc now which optional flags it knows (`runsc flags`, `runsc
+        checkpoint --help`: 20-30 ms each), rather than on the first start and
+        the first checkpoint; the node calls this as it starts. A runsc that
+        cannot be run leaves them unknown: the first start fails as before."""
+
+        async def one(probe: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await probe()
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("cannot ask runsc for its flags: %s", exc)
+
+        async with trio.open_nursery() as nursery:
+            if self.net_disconnect_ok is None:
+                nursery.start_soon(one, self._probe_net_disconnect_ok)
+            if self.exclude_zero_pages is None:
+                nursery.start_soon(one, self._probe_zero_page_exclusion)
+
+    async def _probe_net_disconnect_ok(self) -> None:
+        known = await trio.to_thread.run_sync(self._knows_net_disconnect_ok)
+        if self.net_disconnect_ok is None:  # (unless set meanwhile)
+            self.net_disconnect_ok = known
+
+    async def _probe_zero_page_exclusion(self) -> None:
+        known = await trio.to_thread.run_sync(self._knows_zero_page_exclusion)
+        if self.exclude_zero_pages is None:
+            self.exclude_zero_pages = known
+
     async def _start(
         self, spec: SandboxSpec, cgroups: _Cgroups, image_dir: Path | None
     ) -> GVisorSandbox:
         if self.net_disconnect_ok is None:
-            self.net_disconnect_ok = await trio.to_thread.run_sync(self._knows_net_disconnect_ok)
+            await self._probe_net_disconnect_ok()
         await trio.to_thread.run_sync(self._write_bundle, spec)
         # a hibernated image stored as its difference from its base: whole
         # again, in a directory of this restore's own (removed once restored)
