@@ -113,6 +113,8 @@ SPLIT_KEYS = ("took", "sdk_before", "post", "sdk_after", "handler", "parse", "cr
 SPLITS: dict[str, dict[str, list[float]]] = {}  # series key -> part -> samples
 NODE_CPU: dict[str, list[float]] = {}  # series key -> node CPU ms per create, per burst
 _TLS = threading.local()
+# env vars every timed create asks for (`--envs`: envd's /init is then sent)
+ENVS: dict[str, str] = {}
 _TIMING = re.compile(r"(\w+);dur=([0-9.]+)")
 
 
@@ -154,7 +156,7 @@ def _sdk_create(template: str) -> tuple[str, dict[str, float]]:
     _patch_httpx()
     _TLS.post = None
     t0 = time.perf_counter()
-    sbx = Sandbox.create(template, timeout=300)
+    sbx = Sandbox.create(template, timeout=300, envs=ENVS or None)
     t1 = time.perf_counter()
     return sbx.sandbox_id, _split(t0, t1, _TLS.post)
 
@@ -171,7 +173,10 @@ def _lean_create(template: str) -> tuple[str, dict[str, float]]:
             headers={"X-API-Key": os.environ["E2B_API_KEY"]},
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)))  # fmt: skip
     t0 = time.perf_counter()
-    r = client.post("/sandboxes", json={"templateID": template, "timeout": 300})
+    body: dict[str, Any] = {"templateID": template, "timeout": 300}
+    if ENVS:
+        body["envVars"] = ENVS
+    r = client.post("/sandboxes", json=body)
     t1 = time.perf_counter()
     r.raise_for_status()
     return r.json()["sandboxID"], _split(t0, t1, (t0, t1, r.headers.get("server-timing", "")))
@@ -186,8 +191,11 @@ def _proc_init() -> None:
         Sandbox.list()
 
 
-def _proc_create(template: str, start_at: float) -> tuple[str, dict[str, float], float]:
+def _proc_create(
+    template: str, start_at: float, envs: dict[str, str]
+) -> tuple[str, dict[str, float], float]:
     """One create in a process of its own, at wall-clock `start_at`; (id, parts, late ms)."""
+    ENVS.update(envs)
     time.sleep(max(0.0, start_at - time.time()))
     late = (time.time() - start_at) * 1000
     sid, parts = _sdk_create(template)
@@ -286,7 +294,9 @@ def _bursts(
                     return sid, parts
 
                 if procs is not None:
-                    futs = [procs.submit(_proc_create, template, start_at) for _ in range(size)]
+                    futs = [
+                        procs.submit(_proc_create, template, start_at, ENVS) for _ in range(size)
+                    ]
                     for f in futs:
                         sid, parts, late = f.result(timeout=600)
                         results.append((sid, parts))
@@ -317,7 +327,8 @@ def _bursts(
     how = {"threads": "SDK, one thread each", "procs": "SDK, one process each",
            "lean": "bare POST, one thread each"}[args.client]  # fmt: skip
     kill = "each killed in the burst" if args.kill_in_burst else "killed after the burst"
-    series.note = "; ".join(per_burst) + f"; {settle_s:g} s apart; {how}; {kill}"
+    envs = "; with envs (/init)" if ENVS else ""
+    series.note = "; ".join(per_burst) + f"; {settle_s:g} s apart; {how}; {kill}{envs}"
 
 
 def _with_node(
@@ -527,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", default="threads", choices=("threads", "procs", "lean"),
                    help="who makes a burst's creates: SDK threads in this process (default),"
                         " one SDK process per create, or bare POSTs from threads")  # fmt: skip
+    p.add_argument(
+        "--envs",
+        action="store_true",
+        help="every timed create asks for an env var of its own (envd's /init)",
+    )
     p.add_argument("--kill-in-burst", action="store_true",
                    help="kill each sandbox of a burst right after its create (before:"
                         " the kills ran beside the burst's later creates)")  # fmt: skip
@@ -538,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home", type=Path)
     args = p.parse_args(argv)
     home = bench_home(p, args.home)
+    if args.envs:
+        ENVS["AENV_BENCH_ENV"] = "1"
     interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     load_start = loadavg()
