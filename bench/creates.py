@@ -7,10 +7,12 @@ what `--env KEY=VALUE` sets. After a warm-up (the template becomes a
 snapshot, the pool learns it is hot) it times, through the real SDK:
 
 - **sequential**: `Sandbox.create` back to back (each killed before the next),
-- **burst**: `--bursts` times, `--burst` creates at once from as many threads
-  (p50/p99/max over every create of every burst, and over the bursts after
-  the first: the pool has learnt the burst's size by then), `--settle`
-  seconds apart,
+- **burst**: `--bursts` times, `--burst` creates at once (p50/p99/max over
+  every create of every burst, and over the bursts after the first: the
+  pool has learnt the burst's size by then), `--settle` seconds apart, from
+  SDK threads, SDK processes or bare POSTs (`--client`); for the later
+  bursts, each create's time split between the client and the node (its
+  `Server-Timing` header) and the node's CPU per create,
 - **dry**: creates while the pool is empty: a node with `AENV_POOL_SIZE=0`
   (every create restores the template's snapshot, the path a create takes
   once the pool ran dry).
