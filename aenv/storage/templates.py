@@ -43,7 +43,7 @@ from aenv.proto.ids import NAME_RE, InvalidName, check_name
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "template.json"
-# how many names `Templates.resolve` remembers (then it starts over)
+# how many names `TemplateStore.resolve` remembers (then it starts over)
 _RESOLVED_MAX = 1024
 _Stat = tuple[int, int, int] | None
 _Seen = tuple[_Stat, _Stat, str | None, _Stat]
