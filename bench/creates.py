@@ -7,10 +7,12 @@ what `--env KEY=VALUE` sets. After a warm-up (the template becomes a
 snapshot, the pool learns it is hot) it times, through the real SDK:
 
 - **sequential**: `Sandbox.create` back to back (each killed before the next),
-- **burst**: `--bursts` times, `--burst` creates at once from as many threads
-  (p50/p99/max over every create of every burst, and over the bursts after
-  the first: the pool has learnt the burst's size by then), `--settle`
-  seconds apart,
+- **burst**: `--bursts` times, `--burst` creates at once (p50/p99/max over
+  every create of every burst, and over the bursts after the first: the
+  pool has learnt the burst's size by then), `--settle` seconds apart, from
+  SDK threads, SDK processes or bare POSTs (`--client`); for the later
+  bursts, each create's time split between the client and the node (its
+  `Server-Timing` header) and the node's CPU per create,
 - **dry**: creates while the pool is empty: a node with `AENV_POOL_SIZE=0`
   (every create restores the template's snapshot, the path a create takes
   once the pool ran dry).
@@ -102,20 +104,121 @@ def _steps(into: dict[str, list[float]], text: str) -> None:
             into.setdefault(name, []).append(float(ms))
 
 
-def _one_create(template: str, node: NodeProc, hits: list[bool], lock: threading.Lock) -> float:
-    """One `Sandbox.create` (timed), whether it came from the pool (and its
-    adoption's server-side time), then kill."""
+# -- where a create's time goes ------------------------------------------------------
+
+# Per create of the bursts (ms): the client's wall time and its parts
+# (`sdk_before`: from the call to the POST leaving httpx; `post`: the POST's
+# round trip; `sdk_after`: from the response to the call's return), the node's
+# Server-Timing (`handler`, `create`, `parse`) and `wire` = post - handler
+# (connection, HTTP framing, the node's event loop before and after the handler).
+SPLIT_KEYS = ("took", "sdk_before", "post", "sdk_after", "handler", "parse", "create", "wire")
+SPLITS: dict[str, dict[str, list[float]]] = {}  # series key -> part -> samples
+NODE_CPU: dict[str, list[float]] = {}  # series key -> node CPU ms per create, per burst
+_TLS = threading.local()
+# env vars every timed create asks for (`--envs`: envd's /init is then sent)
+ENVS: dict[str, str] = {}
+_TIMING = re.compile(r"(\w+);dur=([0-9.]+)")
+
+
+def _patch_httpx() -> None:
+    """Time the POST /sandboxes of this process's creates (the SDK's httpx client
+    sends it) and keep the node's Server-Timing header, per thread."""
+    if getattr(httpx.Client.send, "_bench", False):
+        return
+    send = httpx.Client.send
+
+    def timed_send(self: httpx.Client, request: httpx.Request, **kw: Any) -> httpx.Response:
+        if request.method != "POST" or not request.url.path.endswith("/sandboxes"):
+            return send(self, request, **kw)
+        t = time.perf_counter()
+        resp = send(self, request, **kw)
+        _TLS.post = (t, time.perf_counter(), resp.headers.get("server-timing", ""))
+        return resp
+
+    timed_send._bench = True  # type: ignore[attr-defined]
+    httpx.Client.send = timed_send  # type: ignore[method-assign]
+
+
+def _split(t0: float, t1: float, post: tuple[float, float, str] | None) -> dict[str, float]:
+    out = {"took": (t1 - t0) * 1000}
+    if post is not None:
+        ps, pe, header = post
+        out |= {"sdk_before": (ps - t0) * 1000, "post": (pe - ps) * 1000,
+                "sdk_after": (t1 - pe) * 1000}  # fmt: skip
+        out |= {k: float(v) for k, v in _TIMING.findall(header)}
+        if "handler" in out:
+            out["wire"] = out["post"] - out["handler"]
+    return out
+
+
+def _sdk_create(template: str) -> tuple[str, dict[str, float]]:
+    """One `Sandbox.create` through the SDK: its ID and its time's parts."""
     from e2b import Sandbox
 
+    _patch_httpx()
+    _TLS.post = None
     t0 = time.perf_counter()
-    sbx = Sandbox.create(template, timeout=300)
-    took = (time.perf_counter() - t0) * 1000
+    sbx = Sandbox.create(template, timeout=300, envs=ENVS or None)
+    t1 = time.perf_counter()
+    return sbx.sandbox_id, _split(t0, t1, _TLS.post)
+
+
+_LEAN: dict[str, httpx.Client] = {}
+
+
+def _lean_create(template: str) -> tuple[str, dict[str, float]]:
+    """The same create as a bare POST /sandboxes on one shared httpx client."""
+    client = _LEAN.get("c")
+    if client is None:
+        client = _LEAN.setdefault("c", httpx.Client(
+            base_url=os.environ["E2B_API_URL"], timeout=60,
+            headers={"X-API-Key": os.environ["E2B_API_KEY"]},
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)))  # fmt: skip
+    t0 = time.perf_counter()
+    body: dict[str, Any] = {"templateID": template, "timeout": 300}
+    if ENVS:
+        body["envVars"] = ENVS
+    r = client.post("/sandboxes", json=body)
+    t1 = time.perf_counter()
+    r.raise_for_status()
+    return r.json()["sandboxID"], _split(t0, t1, (t0, t1, r.headers.get("server-timing", "")))
+
+
+def _proc_init() -> None:
+    """A burst process: the SDK imported and its transport warm before any burst."""
+    from e2b import Sandbox
+
+    _patch_httpx()
+    with contextlib.suppress(Exception):
+        Sandbox.list()
+
+
+def _proc_create(
+    template: str, start_at: float, envs: dict[str, str]
+) -> tuple[str, dict[str, float], float]:
+    """One create in a process of its own, at wall-clock `start_at`; (id, parts, late ms)."""
+    ENVS.update(envs)
+    time.sleep(max(0.0, start_at - time.time()))
+    late = (time.time() - start_at) * 1000
+    sid, parts = _sdk_create(template)
+    return sid, parts, late
+
+
+def _node_cpu_ms(node: NodeProc) -> float:
+    """CPU time the node process (all its threads, not its children) has used."""
+    fields = Path(f"/proc/{node.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def _settle_created(
+    node: NodeProc, sid: str, hits: list[bool], lock: threading.Lock, kill: bool = True
+) -> None:
+    """Whether `sid` came from the pool (and its adoption's server-side time,
+    from its log), then kill it."""
+    headers = {"X-API-Key": node.api_key}
     try:
-        lines = httpx.get(
-            f"{node.url}/sandboxes/{sbx.sandbox_id}/logs",
-            headers={"X-API-Key": node.api_key},
-            timeout=30,
-        ).json()["logs"]
+        lines = httpx.get(f"{node.url}/sandboxes/{sid}/logs", headers=headers,
+                          timeout=30).json()["logs"]  # fmt: skip
         found = [m for e in lines if (m := ADOPTED.search(e["line"]))]
         started = [m for e in lines if (m := STARTED.search(e["line"]))]
         with lock:
@@ -127,9 +230,17 @@ def _one_create(template: str, node: NodeProc, hits: list[bool], lock: threading
                 RESTORES.append(float(m.group(1)))
                 _steps(RESTORE_STEPS, m.group(2))
     finally:
-        with contextlib.suppress(Exception):
-            sbx.kill()
-    return took
+        if kill:
+            with contextlib.suppress(Exception):
+                httpx.delete(f"{node.url}/sandboxes/{sid}", headers=headers, timeout=60)
+
+
+def _one_create(template: str, node: NodeProc, hits: list[bool], lock: threading.Lock) -> float:
+    """One `Sandbox.create` (timed), whether it came from the pool (and its
+    adoption's server-side time), then kill."""
+    sid, parts = _sdk_create(template)
+    _settle_created(node, sid, hits, lock)
+    return parts["took"]
 
 
 def _sequential(node: NodeProc, template: str, n: int, series: Series) -> None:
@@ -143,36 +254,83 @@ def _sequential(node: NodeProc, template: str, n: int, series: Series) -> None:
 def _bursts(
     node: NodeProc,
     template: str,
-    size: int,
-    count: int,
-    settle_s: float,
+    args: argparse.Namespace,
     series: Series,
     later: Series,
 ) -> None:
-    """`count` bursts into `series`; those after the first (the pool sized by then) also
-    into `later`."""
+    """`args.bursts` bursts into `series`; those after the first (the pool sized by
+    then) also into `later`. Each create is made by `args.client`: SDK threads in
+    this process, SDK processes (one per create), or bare POSTs from threads.
+    Sandboxes are killed once the whole burst returned (`--kill-in-burst`: each
+    by its own thread right after its create, as before)."""
+    size, count, settle_s = args.burst, args.bursts, args.settle
     hits: list[bool] = []
     lock = threading.Lock()
     per_burst: list[str] = []
-    for b in range(count):
-        time.sleep(settle_s)
-        barrier = threading.Barrier(size)
+    splits = SPLITS.setdefault("burst_later", {})
+    cpu = NODE_CPU.setdefault("burst_later", [])
+    procs = None
+    if args.client == "procs":
+        import multiprocessing
 
-        def create(barrier: threading.Barrier = barrier) -> float:
-            barrier.wait(timeout=60)
-            return _one_create(template, node, hits, lock)
-
-        before = len(hits)
-        with concurrent.futures.ThreadPoolExecutor(size) as ex:
-            futures = [ex.submit(create) for _ in range(size)]
-            took = [f.result(timeout=600) for f in futures]
-        series.samples += took
-        if b:
-            later.samples += took
-        per_burst.append(
-            f"burst {b + 1}: max {max(took):.0f} ms, {sum(hits[before:])}/{size} from the pool"
+        procs = concurrent.futures.ProcessPoolExecutor(
+            size, mp_context=multiprocessing.get_context("spawn"), initializer=_proc_init
         )
-    series.note = "; ".join(per_burst) + f"; {settle_s:g} s apart"
+        # every process started, its SDK imported, before the first burst
+        list(procs.map(time.sleep, [0.5] * size * 2))
+    create_one = _lean_create if args.client == "lean" else _sdk_create
+    try:
+        for b in range(count):
+            time.sleep(settle_s)
+            cpu0 = _node_cpu_ms(node)
+            start_at = time.time() + 0.5
+            lateness: list[float] = []
+            results: list[tuple[str, dict[str, float]]] = []
+            with concurrent.futures.ThreadPoolExecutor(size) as ex:
+
+                def create(start_at: float = start_at) -> tuple[str, dict[str, float]]:
+                    time.sleep(max(0.0, start_at - time.time()))
+                    sid, parts = create_one(template)
+                    if args.kill_in_burst:
+                        _settle_created(node, sid, hits, lock)
+                    return sid, parts
+
+                if procs is not None:
+                    futs = [
+                        procs.submit(_proc_create, template, start_at, ENVS) for _ in range(size)
+                    ]
+                    for f in futs:
+                        sid, parts, late = f.result(timeout=600)
+                        results.append((sid, parts))
+                        lateness.append(late)
+                else:
+                    futures = [ex.submit(create) for _ in range(size)]
+                    results = [f.result(timeout=600) for f in futures]
+            node_cpu = (_node_cpu_ms(node) - cpu0) / size
+            if not args.kill_in_burst:
+                with concurrent.futures.ThreadPoolExecutor(size) as ex:
+                    list(ex.map(lambda r: _settle_created(node, r[0], hits, lock), results))
+            took = [p["took"] for _, p in results]
+            series.samples += took
+            if b:
+                later.samples += took
+                cpu.append(node_cpu)
+                for _, parts in results:
+                    for k, v in parts.items():
+                        splits.setdefault(k, []).append(v)
+            late = f", start spread {max(lateness):.0f} ms" if lateness else ""
+            per_burst.append(
+                f"burst {b + 1}: max {max(took):.0f} ms, {sum(hits[-size:])}/{size} from the pool"
+                f", node CPU {node_cpu:.1f} ms per create{late}"
+            )
+    finally:
+        if procs is not None:
+            procs.shutdown(cancel_futures=True)
+    how = {"threads": "SDK, one thread each", "procs": "SDK, one process each",
+           "lean": "bare POST, one thread each"}[args.client]  # fmt: skip
+    kill = "each killed in the burst" if args.kill_in_burst else "killed after the burst"
+    envs = "; with envs (/init)" if ENVS else ""
+    series.note = "; ".join(per_burst) + f"; {settle_s:g} s apart; {how}; {kill}{envs}"
 
 
 def _with_node(
@@ -214,8 +372,7 @@ def bench_aenv(home: Path, work: Path, args: argparse.Namespace) -> dict[str, Se
         except Exception as e:
             results["sequential"].error = _describe(e)
         try:
-            _bursts(node, args.template, args.burst, args.bursts, args.settle,
-                    results["burst"], results["burst_later"])  # fmt: skip
+            _bursts(node, args.template, args, results["burst"], results["burst_later"])
         except Exception as e:
             results["burst"].error = _describe(e)
 
@@ -353,6 +510,17 @@ def table(aenv: dict[str, Series], floor: dict[str, Series]) -> str:
                 f"{what}, server side (n={len(total)}): p50 {percentile(total, 50):.1f}"
                 f" p95 {percentile(total, 95):.1f} ms; steps p50/p95: {steps}"
             )
+    for key, parts in SPLITS.items():
+        if parts.get("took"):
+            lines.append(f"{key}: where a create's time went, p50/p95/p99 ms:")
+            for part in SPLIT_KEYS:
+                if v := parts.get(part):
+                    qs = "/".join(f"{percentile(v, q):.1f}" for q in (50, 95, 99))
+                    lines.append(f"  {part:<10} {qs}")
+    for key, cpu in NODE_CPU.items():
+        if cpu:
+            per = ", ".join(f"{c:.1f}" for c in cpu)
+            lines.append(f"{key}: node process CPU per create, per burst: {per} ms")
     for name, res in (("aenv", aenv), ("floor", floor)):
         for key, s in res.items():
             if s.note:
@@ -369,6 +537,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bursts", type=int, default=3, help="bursts (default 3)")
     p.add_argument("--settle", type=float, default=15.0, help="seconds before each burst")
     p.add_argument("--template", default="base")
+    p.add_argument("--client", default="threads", choices=("threads", "procs", "lean"),
+                   help="who makes a burst's creates: SDK threads in this process (default),"
+                        " one SDK process per create, or bare POSTs from threads")  # fmt: skip
+    p.add_argument(
+        "--envs",
+        action="store_true",
+        help="every timed create asks for an env var of its own (envd's /init)",
+    )
+    p.add_argument("--kill-in-burst", action="store_true",
+                   help="kill each sandbox of a burst right after its create (before:"
+                        " the kills ran beside the burst's later creates)")  # fmt: skip
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the nodes")
     p.add_argument("--skip-floor", action="store_true")
     p.add_argument("--skip-aenv", action="store_true")
@@ -377,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home", type=Path)
     args = p.parse_args(argv)
     home = bench_home(p, args.home)
+    if args.envs:
+        ENVS["AENV_BENCH_ENV"] = "1"
     interrupt_on_sigterm()
     started = datetime.datetime.now(datetime.UTC)
     load_start = loadavg()
@@ -412,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         "adopt_steps_ms": ADOPT_STEPS,
         "restores_ms": RESTORES,
         "restore_steps_ms": RESTORE_STEPS,
+        "burst_splits_ms": SPLITS,
+        "node_cpu_per_create_ms": NODE_CPU,
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"creates-{started.strftime('%Y%m%dT%H%M%SZ')}.json"

@@ -658,7 +658,13 @@ class Node:
                 await self.images.prepare(tagged.image_key)
             return tagged
         try:
-            template = await trio.to_thread.run_sync(self.templates.resolve, name)
+            # (the answer of the last resolve of this name when its files did not change)
+            known = self.templates.resolve_known(name)
+            template = (
+                known
+                if known is not None
+                else await trio.to_thread.run_sync(self.templates.resolve, name)
+            )
         except (TemplateNotFound, InvalidName) as not_template:
             # A bare word is a template name (a typo must be "not found", not a
             # Docker Hub lookup): here, else one another node put in the object

@@ -291,7 +291,11 @@ class GVisorSandbox:
             self._runsc_paused = True
 
     async def thaw(self) -> None:
-        await trio.to_thread.run_sync(self._cgroups.set_frozen, False)
+        # a thaw is one write the kernel answers at once: done on the event loop (a
+        # worker thread per thaw costs a thread start in a burst, when the thread
+        # cache has gone idle: the loop waits for the scheduler to run it)
+        if not self._cgroups.thawed_at_once():
+            await trio.to_thread.run_sync(self._cgroups.set_frozen, False)
         if self._runsc_paused:
             await self._runtime._runsc_logged(
                 _PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id, private_netfs=False
@@ -931,6 +935,24 @@ class _Cgroups:
         disk (thawed, `runsc pause`, checkpoint) and hibernated did not answer
         after its restore; not reproduced since (docs/performance.md).
         """
+        done = self._freezer_write(frozen)
+        if done is None:
+            return False
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not done():
+            time.sleep(0.001)
+        return True
+
+    def thawed_at_once(self) -> bool:
+        """Thaw with one write and one read, for the event loop (no waiting): True if
+        the kernel reports the cgroup thawed at once (as it does for a thaw, which
+        wakes the tasks and returns), else False (`set_frozen(False)` then)."""
+        done = self._freezer_write(False)
+        return done is not None and done()
+
+    def _freezer_write(self, frozen: bool) -> Callable[[], bool] | None:
+        """Write the freezer's new state; whether the kernel reports it reached (a
+        check to call), None if the write failed."""
         if self.is_v2():
             d = CGROUP_ROOT / self.path
             control, value, events = "cgroup.freeze", "1" if frozen else "0", "cgroup.events"
@@ -942,14 +964,14 @@ class _Cgroups:
         try:
             (d / control).write_text(value)
         except OSError:
-            return False
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
+            return None
+
+        def reached() -> bool:
             with contextlib.suppress(OSError):
-                if want in (d / events).read_text().splitlines():
-                    return True
-            time.sleep(0.001)
-        return True
+                return want in (d / events).read_text().splitlines()
+            return False
+
+        return reached
 
     def is_frozen(self) -> bool:
         """Whether the cgroup freezer holds the sandbox (False where there is none)."""

@@ -43,6 +43,10 @@ from aenv.proto.ids import NAME_RE, InvalidName, check_name
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "template.json"
+# how many names `TemplateStore.resolve` remembers (then it starts over)
+_RESOLVED_MAX = 1024
+_Stat = tuple[int, int, int] | None
+_Seen = tuple[_Stat, _Stat, str | None, _Stat]
 # `<root>/.share-pending/<template id>` while a template is still to be put in
 # the object store (aenv.node.durable): a node that stops before the share
 # finishes resumes it. Homes from before kept it in the template's directory as
@@ -378,6 +382,8 @@ class TemplateStore:
         self._snapshots = self._aliases / _SNAPSHOTS_SUBDIR
         self._pending = root / SHARE_PENDING_DIR
         self._names: tuple[list[int], int, float, list[str]] | None = None
+        # name -> (what `resolve` answered, the stats of the files it read then)
+        self._resolved: dict[str, tuple[Template, _Seen]] = {}
         root.mkdir(parents=True, exist_ok=True)
         self._pending.mkdir(exist_ok=True)
         with self._locked():
@@ -558,10 +564,44 @@ class TemplateStore:
         """The template with this ID, else the one with this alias (at most two
         template reads, however many templates there are)."""
         check_name(name_or_id, "template name")
+        before = self._seen(name_or_id)
         template = self._load(name_or_id) or self._by_alias(name_or_id)
         if template is not None:
+            if before == self._seen(name_or_id):  # nothing changed while it was read
+                if len(self._resolved) >= _RESOLVED_MAX:
+                    self._resolved.clear()
+                self._resolved[name_or_id] = (template, before)
             return template
         raise TemplateNotFound(f"template {name_or_id!r} not found")
+
+    def resolve_known(self, name_or_id: str) -> Template | None:
+        """What `resolve` last answered for this name if none of the files it read
+        changed since (a few stats, no read: cheap enough for the event loop, where a
+        worker thread per create costs a thread start in a burst); else None."""
+        known = self._resolved.get(name_or_id)
+        if known is None or self._seen(name_or_id) != known[1]:
+            return None
+        return known[0]
+
+    def _seen(self, name: str) -> _Seen:
+        """The identity of what `resolve(name)` reads: the template directory and its
+        metadata, the alias and its target's metadata (a write replaces a file, so
+        its inode changes; a missing one is None)."""
+
+        def stat(path: Path, follow: bool = True) -> tuple[int, int, int] | None:
+            try:
+                st = path.stat() if follow else path.lstat()
+            except (OSError, ValueError):
+                return None
+            return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+        target = self._pointer(name)
+        return (
+            stat(self.root / name, follow=False),
+            stat(self.root / name / METADATA_FILE),
+            target,
+            None if target is None else stat(self.root / target / METADATA_FILE),
+        )
 
     def _check_new(
         self, template_id: str, aliases: Sequence[str], cpu_count: int, memory_mb: int

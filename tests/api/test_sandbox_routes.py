@@ -220,6 +220,16 @@ async def test_create_detail_kill(app: QuartTrio) -> None:
     assert await r.get_json() == {"code": 404, "message": f"sandbox {sid!r} not found"}
 
 
+async def test_a_create_says_where_its_time_went(app: QuartTrio) -> None:
+    """`Server-Timing` (bench/creates.py splits a burst's creates with it): the body's
+    parsing, the service's create and the whole handler, in ms."""
+    r = await _call(app, "POST", "/sandboxes", {"templateID": "base"})
+    assert r.status_code == 201
+    parts = dict(p.strip().split(";dur=") for p in r.headers["Server-Timing"].split(","))
+    assert set(parts) == {"parse", "create", "handler"}
+    assert float(parts["handler"]) >= float(parts["create"]) >= 0
+
+
 async def test_not_found_comes_before_a_bad_body(app: QuartTrio) -> None:
     for path in ("/sandboxes/nope/timeout", "/sandboxes/nope/refreshes"):
         assert (await _call(app, "POST", path, {"timeout": "x"})).status_code == 404

@@ -94,7 +94,9 @@ async def test_a_host_short_of_memory_takes_no_new_sandbox(
             await create(node)
         # a kernel that does not say: the limit alone decides
         fake.memory.failures = 1
-        await trio.sleep(1)
+        # (the watcher's next read, in a worker thread: a create that makes no thread
+        # hop of its own before its check, as a pool hit, must not overtake it)
+        await autojump.until(lambda: node.memory_seen is None)
         await create(node)
 
 

@@ -240,6 +240,34 @@ def test_an_adopted_newer_build_moves_the_aliases_it_changed(
     ]
 
 
+def test_resolve_known_answers_from_memory_until_a_file_it_read_changes(
+    tmp_path: Path, store: TemplateStore
+) -> None:
+    """A create asks for its template on the event loop first (no thread): the last
+    answer of `resolve`, unless the template, its alias or its target changed since,
+    through this store or another one over the same directory."""
+    a = store.add(template_id="tpl-a", rootfs_dir=make_rootfs(tmp_path, "a"), aliases=["al"])
+    assert store.resolve_known("tpl-a") is None  # never resolved
+    assert store.resolve("al") == a
+    assert store.resolve_known("al") == a
+    assert store.resolve_known("tpl-a") is None
+
+    public = TemplateStore(store.root).set_public("tpl-a", False)  # another writer
+    assert store.resolve_known("al") is None
+    assert store.resolve("al") == public and store.resolve_known("al") == public
+
+    # the alias names another template now
+    store.delete("tpl-a")
+    b = store.add(template_id="tpl-b", rootfs_dir=make_rootfs(tmp_path, "b"), aliases=["al"])
+    assert store.resolve_known("al") is None
+    assert store.resolve("al") == b
+
+    store.delete("tpl-b")
+    assert store.resolve_known("al") is None
+    with pytest.raises(TemplateNotFound):
+        store.resolve("al")
+
+
 def test_the_template_a_snapshot_backs_is_one_read(tmp_path: Path, store: TemplateStore) -> None:
     base = store.add(template_id="tpl-base", rootfs_dir=make_rootfs(tmp_path, "base"))
     built, _ = store.put_built(
