@@ -110,14 +110,6 @@ def _some(items: Sequence[str], n: int = 3) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def _hint(conflict: str) -> str:
-    if "runs on this home" in conflict:
-        return "each node needs its own AENV_HOME"
-    if "names prefix" in conflict:
-        return "give each node its own AENV_NET_PREFIX, or unset it to derive one from AENV_HOME"
-    return "set AENV_SLOT_CIDR to a free range, or unset it to have one picked"
-
-
 def hold_claim(
     *,
     prefix: str,
@@ -147,9 +139,8 @@ def hold_claim(
                 previous = last.cidr if last is not None else None
             conflicts = claim_conflicts(prefix=prefix, home=where, cidr=cidr, others=others)
             if conflicts:
-                raise HostConflict(
-                    "this node cannot start: " + "; ".join(f"{c} ({_hint(c)})" for c in conflicts)
-                )
+                # (each conflict says what to change)
+                raise HostConflict("this node cannot start: " + "; ".join(conflicts))
             own = re.compile(rf"^{re.escape(prefix)}h\d+$")
 
             def users(c: str) -> list[str]:

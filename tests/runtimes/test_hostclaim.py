@@ -54,8 +54,11 @@ def test_nodes_get_ranges_of_their_own_and_say_who_holds_what(claims: Any, tmp_p
         claims("aenva", "c")
     with pytest.raises(HostConflict, match=r"runs on this home already \(each node needs"):
         claims("aenvc", "a")
-    with pytest.raises(HostConflict, match=r"has its sandboxes in 10.230.0.0/16 \(set AENV_SLOT"):
+    with pytest.raises(
+        HostConflict, match=r"has its sandboxes in 10.230.0.0/16 \(set AENV_SLOT"
+    ) as e:
         claims("aenvc", "c", "10.230.128.0/17")
+    assert str(e.value).count("AENV_SLOT_CIDR") == 1  # what to change, said once
     # another program's addresses and routes in a range
     host = {"addresses": [("wg0", "10.229.1.1/24")], "routes": [("tun0", "10.228.0.0/16")]}
     with pytest.raises(HostConflict) as refused:
