@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+from typing import Any
 
 import trio
 from hypercorn.config import Config
@@ -92,6 +93,74 @@ def guard_hypercorn_idle_close() -> None:
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
 
 
+def coalesce_hypercorn_h11_writes() -> None:
+    """Write each ASGI message in one piece, and the headers with the first body.
+
+    Hypercorn 0.18 writes an HTTP/1.1 response's headers, each body chunk and
+    the chunked terminator in separate socket writes: a command's answer was
+    four (headers, `start`, `end`, terminator), each a system call, a
+    scheduling round and a segment the node's proxy wakes up for. Here the
+    bytes h11 makes for one ASGI message go out in one write; the headers
+    wait for the message after them (envd always writes a body right after
+    the start of a response: a Connect stream its first message). Anything
+    else hypercorn sends (the stream closing, an error) writes what is held
+    first, so the order on the wire is unchanged. HTTP/2 is left as it is.
+    """
+    import h11
+    from hypercorn.events import RawData
+    from hypercorn.protocol.events import Body, EndBody, Response
+    from hypercorn.protocol.h11 import H11Protocol
+    from hypercorn.protocol.http_stream import HTTPStream
+
+    original_app_send = HTTPStream.app_send
+    if getattr(original_app_send, "_aenv_guarded", False):
+        return
+    original_event = H11Protocol._send_h11_event
+    original_stream_send = H11Protocol.stream_send
+
+    async def flush(proto: H11Protocol) -> None:
+        held: list[bytes] | None = getattr(proto, "_aenv_held", None)
+        proto._aenv_held = None  # type: ignore[attr-defined]
+        if held and (data := b"".join(held)):
+            await proto.send(RawData(data=data))
+
+    async def _send_h11_event(self: H11Protocol, event: Any) -> None:
+        held: list[bytes] | None = getattr(self, "_aenv_held", None)
+        if held is None:
+            await original_event(self, event)
+            return
+        try:
+            held.append(self.connection.send(event) or b"")
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+
+    async def stream_send(self: H11Protocol, event: Any) -> None:
+        if not isinstance(event, Response | Body | EndBody):
+            await flush(self)
+        await original_stream_send(self, event)
+
+    async def app_send(self: HTTPStream, message: Any) -> None:
+        proto = getattr(self.send, "__self__", None)
+        if message is None or not isinstance(proto, H11Protocol):
+            await original_app_send(self, message)
+            return
+        if getattr(proto, "_aenv_held", None) is None:
+            proto._aenv_held = []  # type: ignore[attr-defined]
+        hold = False
+        try:
+            await original_app_send(self, message)
+            hold = message["type"] == "http.response.start"
+        finally:
+            if not hold:
+                await flush(proto)
+
+    app_send._aenv_guarded = True  # type: ignore[attr-defined]
+    H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
+    H11Protocol.stream_send = stream_send  # type: ignore[method-assign]
+    HTTPStream.app_send = app_send  # type: ignore[method-assign]
+
+
 def hypercorn_config(host: str, port: int, *, access_log: bool = False) -> Config:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -130,6 +199,7 @@ async def serve_envd(
     large imports; forked here if not given)."""
     guard_hypercorn_h2()
     guard_hypercorn_idle_close()
+    coalesce_hypercorn_h11_writes()
     client = None
     if guard:
         try:
