@@ -43,22 +43,22 @@ def guard_hypercorn_h2() -> None:
         return
 
     async def _handle_events(self: H2Protocol, events: list[h2.events.Event]) -> None:
-        kept = []
-        opened: set[int] = set()
+        # Each DATA frame is checked just before it is handled: handling the
+        # events before it may open its stream, and may let the app answer
+        # and close it (an answer that does not wait for the body)
+        batch: list[h2.events.Event] = []
         for event in events:
-            if isinstance(event, h2.events.RequestReceived):
-                opened.add(event.stream_id)
-            elif (
-                isinstance(event, h2.events.DataReceived)
-                and event.stream_id not in self.streams
-                and event.stream_id not in opened
-            ):
-                self.connection.acknowledge_received_data(
-                    event.flow_controlled_length, event.stream_id
-                )
-                continue
-            kept.append(event)
-        await original(self, kept)
+            if isinstance(event, h2.events.DataReceived):
+                if batch:
+                    await original(self, batch)
+                    batch = []
+                if event.stream_id not in self.streams:
+                    self.connection.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                    continue
+            batch.append(event)
+        await original(self, batch)
 
     _handle_events._aenv_guarded = True  # type: ignore[attr-defined]
     H2Protocol._handle_events = _handle_events  # type: ignore[method-assign]
