@@ -67,7 +67,9 @@ class EnvdApp:
             nursery, self.state, self.users, self.rpc_user, spawner=spawner
         )
         self.filesystem = FilesystemService(nursery, self.state, self.users, self.rpc_user)
-        self.router = ConnectRouter({**self.process.handlers(), **self.filesystem.handlers()})
+        self.router = ConnectRouter(
+            {**self.process.handlers(), **self.filesystem.handlers()}, watchers=nursery
+        )
         self.files = FilesAPI(self.state, self.users)
         self._cpu_sample: tuple[float, float] | None = None
 

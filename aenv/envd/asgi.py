@@ -59,7 +59,17 @@ class Request:
         return values[0] if values else None
 
     async def receive(self) -> ASGIMessage:
-        message = await self._receive()
+        # Hypercorn's `receive` is a trio channel's: a message already queued (a
+        # small request's body, queued with its headers) is taken without the
+        # scheduling round a checkpoint costs
+        queue = getattr(self._receive, "__self__", None)
+        if isinstance(queue, trio.MemoryReceiveChannel):
+            try:
+                message: ASGIMessage = queue.receive_nowait()
+            except trio.WouldBlock:
+                message = await self._receive()
+        else:
+            message = await self._receive()
         if message["type"] == "http.disconnect":
             self.disconnected = True
             self.body_done = True

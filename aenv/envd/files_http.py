@@ -40,6 +40,7 @@ from aenv.envd.state import EnvdState
 from aenv.envd.users import UnknownUser, User, UserDB, ensure_dirs, resolve_path
 
 READ_CHUNK = 256 * 1024
+GZIP_MIN = 1024
 WRITE_BUFFER = 1024 * 1024
 MAX_METADATA_TOTAL = 4096
 MAX_METADATA_KEY = 255 - len(METADATA_PREFIX)
@@ -132,7 +133,7 @@ class FilesAPI:
         user = self._user(request)
         path = self._resolve(request.query_one("path") or "", user)
 
-        def open_file() -> tuple[Any, int]:
+        def open_file() -> tuple[Any, int, bytes]:
             try:
                 st = os.stat(path)
             except FileNotFoundError:
@@ -142,15 +143,21 @@ class FilesAPI:
             if os.path.isdir(path):
                 raise HTTPError(400, f"path '{path}' is a directory")
             try:
-                return open(path, "rb"), st.st_size
+                fobj = open(path, "rb")  # noqa: SIM115 (closed after the response)
             except PermissionError as e:
                 raise HTTPError(401, f"error opening file '{path}': {e}") from None
             except OSError as e:
                 raise HTTPError(500, f"error opening file '{path}': {e}") from None
+            try:  # (the first chunk in the same thread hop: all of a small file)
+                return fobj, st.st_size, fobj.read(READ_CHUNK)
+            except BaseException:
+                fobj.close()
+                raise
 
-        fobj, size = await trio.to_thread.run_sync(open_file)
+        fobj, size, chunk = await trio.to_thread.run_sync(open_file)
         try:
-            gzip_ok = _accepts_gzip(request.headers.get("accept-encoding", ""))
+            # (below a segment's worth, compressing saves no packet)
+            gzip_ok = size >= GZIP_MIN and _accepts_gzip(request.headers.get("accept-encoding", ""))
             name = posixpath.basename(path).replace('"', '\\"')
             headers = [
                 ("content-type", "application/octet-stream"),
@@ -167,21 +174,22 @@ class FilesAPI:
             await response.start(200, headers)
             sent = 0
             while True:
-                chunk = await trio.to_thread.run_sync(fobj.read, READ_CHUNK)
                 if not chunk:
                     break
                 if compressor is None:
                     if sent + len(chunk) > size:  # file grew: keep Content-Length honest
                         chunk = chunk[: size - sent]
                     sent += len(chunk)
+                    if sent >= size:  # the last chunk ends the response (one write)
+                        await response.write(chunk, more=False)
+                        return
                     if chunk:
                         await response.write(chunk)
-                    if sent >= size:
-                        break
                 else:
                     out = compressor.compress(chunk)
                     if out:
                         await response.write(out)
+                chunk = await trio.to_thread.run_sync(fobj.read, READ_CHUNK)
             if compressor is not None:
                 await response.write(compressor.flush())
             await response.end()
@@ -203,7 +211,7 @@ class FilesAPI:
             encoding = request.headers.get("content-encoding", "").strip().lower()
             if encoding not in ("", "identity", "gzip"):
                 raise HTTPError(400, f"unsupported Content-Encoding {encoding!r}")
-            writer = await _FileWriter.open(target, user, metadata)
+            writer = _FileWriter(target, user, metadata)
             try:
                 decomp = zlib.decompressobj(wbits=47) if encoding == "gzip" else None
                 async for chunk in request.iter_body():
@@ -264,7 +272,7 @@ class FilesAPI:
                                 f"you cannot upload multiple files to the same path '{target}' "
                                 "in one upload request, only the first specified file was uploaded",
                             )
-                        writer = await _FileWriter.open(target, user, metadata)
+                        writer = _FileWriter(target, user, metadata)
                     elif isinstance(event, PartData):
                         if writer is not None and not skipping:
                             await writer.write(event.data)
@@ -322,37 +330,38 @@ def _metadata_from_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
 
 
 class _FileWriter:
-    """Writes one uploaded file through a bounded buffer, in worker threads."""
+    """Writes one uploaded file through a bounded buffer, in worker threads.
 
-    def __init__(self, path: str, fd: int, metadata: dict[str, str]) -> None:
+    The file is opened with its first full buffer, or at `finish`: a small
+    file is created, written and closed in one worker-thread hop."""
+
+    def __init__(self, path: str, user: User, metadata: dict[str, str]) -> None:
         self.path = path
-        self._fd: int | None = fd
+        self._user = user
+        self._fd: int | None = None
         self._metadata = metadata
         self._buf = bytearray()
         self._stored_metadata: dict[str, str] = {}
 
-    @classmethod
-    async def open(cls, path: str, user: User, metadata: dict[str, str]) -> _FileWriter:
-        def work() -> int:
-            try:
-                ensure_dirs(posixpath.dirname(path), user.uid, user.gid)
-            except OSError as e:
-                raise HTTPError(500, f"error ensuring directories: {e}") from None
-            if os.path.isdir(path):
-                raise HTTPError(400, f"path is a directory: {path}")
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-            except OSError as e:
-                status = 507 if e.errno == 28 else 500
-                raise HTTPError(status, f"error opening file: {e}") from None
-            try:
-                os.fchown(fd, user.uid, user.gid)
-            except OSError as e:
-                os.close(fd)
-                raise HTTPError(500, f"error changing file ownership: {e}") from None
-            return fd
-
-        return cls(path, await trio.to_thread.run_sync(work), metadata)
+    def _open(self) -> None:  # (in a worker thread)
+        path, user = self.path, self._user
+        try:
+            ensure_dirs(posixpath.dirname(path), user.uid, user.gid)
+        except OSError as e:
+            raise HTTPError(500, f"error ensuring directories: {e}") from None
+        if os.path.isdir(path):
+            raise HTTPError(400, f"path is a directory: {path}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            status = 507 if e.errno == 28 else 500
+            raise HTTPError(status, f"error opening file: {e}") from None
+        try:
+            os.fchown(fd, user.uid, user.gid)
+        except OSError as e:
+            os.close(fd)
+            raise HTTPError(500, f"error changing file ownership: {e}") from None
+        self._fd = fd
 
     def _write_all(self, data: bytes) -> None:
         assert self._fd is not None
@@ -370,12 +379,20 @@ class _FileWriter:
         self._buf += data
         if len(self._buf) >= WRITE_BUFFER:
             chunk, self._buf = bytes(self._buf), bytearray()
-            await trio.to_thread.run_sync(self._write_all, chunk)
+
+            def work() -> None:
+                if self._fd is None:
+                    self._open()
+                self._write_all(chunk)
+
+            await trio.to_thread.run_sync(work)
 
     async def finish(self) -> None:
         chunk, self._buf = bytes(self._buf), bytearray()
 
         def work() -> None:
+            if self._fd is None:
+                self._open()
             if chunk:
                 self._write_all(chunk)
             assert self._fd is not None

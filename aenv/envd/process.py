@@ -158,8 +158,24 @@ class ManagedProcess:
             self.subscribers.add(send)
         return receive
 
-    async def publish(self, event: Message) -> None:
+    def offer(self, event: Message) -> list[trio.MemorySendChannel[Message]]:
+        """Publish `event` at once to every subscriber with room for it; those
+        without (a full buffer: a slow client) are returned for `publish`."""
+        full = []
         for channel in list(self.subscribers):
+            try:
+                channel.send_nowait(event)
+            except trio.WouldBlock:
+                full.append(channel)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.subscribers.discard(channel)
+        return full
+
+    async def publish(
+        self, event: Message, to: list[trio.MemorySendChannel[Message]] | None = None
+    ) -> None:
+        """Publish `event` to every subscriber (or those of `to`), waiting for room."""
+        for channel in list(self.subscribers) if to is None else to:
             try:
                 await channel.send(event)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -255,9 +271,7 @@ class ProcessService:
         stdin_enabled = req.get("stdin", True)
         deadline = trio.current_time() + ctx.timeout if ctx.timeout else float("inf")
         with receive:
-            await self._nursery.start(
-                self._run, mp, argv, env, cwd, user, pty, stdin_enabled, deadline
-            )
+            await self._launch(mp, argv, env, cwd, user, pty, stdin_enabled, deadline)
             await send({"event": {"start": {"pid": mp.pid}}})
             return await self._forward(receive, ctx, send)
 
@@ -412,7 +426,7 @@ class ProcessService:
         self._spawner = fresh
         return True
 
-    async def _run(
+    async def _launch(
         self,
         mp: ManagedProcess,
         argv: list[str],
@@ -422,9 +436,9 @@ class ProcessService:
         pty: Message | None,
         stdin_enabled: bool,
         deadline: float,
-        *,
-        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """Start the process (in the calling task: no task to wait for), then
+        hand it to a task of the service nursery that outlives the call."""
         self.spawning += 1
         try:
             proc = await self._spawn(mp, argv, env, cwd, user, pty, stdin_enabled)
@@ -438,13 +452,19 @@ class ProcessService:
                 f"error starting process '{' '.join(argv)}': {e.strerror or e}",
             ) from None
         else:
+            # (no checkpoint from here to start_soon: the process is never left unwatched)
             mp.proc = proc
             mp.pid = proc.pid
             self.live[mp.pid] = mp
+            self.retained.pop(mp.pid, None)
+            self._nursery.start_soon(self._run, mp, proc, deadline)
         finally:
             self.spawning -= 1
-        self.retained.pop(mp.pid, None)
-        task_status.started(mp.pid)
+
+    async def _run(
+        self, mp: ManagedProcess, proc: trio.Process | SpawnedProcess, deadline: float
+    ) -> None:
+        """Forward the process's output, kill it at `deadline`, publish its end."""
         mp.last_output = trio.current_time()
         try:
             async with trio.open_nursery() as readers:
@@ -462,16 +482,20 @@ class ProcessService:
                     await proc.wait()
                 # The process is gone; take what its pipes still hold, but do not
                 # wait for grandchildren that inherited them and stay silent.
-                while True:
+                while not mp.readers_done.is_set():
                     with trio.move_on_after(EXIT_DRAIN_IDLE):
                         await mp.readers_done.wait()
                         break
                     if not mp.busy and trio.current_time() - mp.last_output >= EXIT_DRAIN_IDLE:
                         break
                 readers.cancel_scope.cancel()
-            assert proc.returncode is not None
-            mp.end = end_event(proc.returncode)
-            await mp.publish({"end": mp.end})
+                # (the readers are done or cancelled: nothing is published after the
+                # end; offered here, it does not wait for the nursery to close)
+                assert proc.returncode is not None
+                mp.end = end_event(proc.returncode)
+                full = mp.offer({"end": mp.end})
+            if full:
+                await mp.publish({"end": mp.end}, to=full)
         finally:
             with trio.CancelScope(shield=True):
                 if proc.returncode is None:

@@ -79,11 +79,20 @@ def _decompress(data: bytes, encoding: str | None) -> bytes:
     return out
 
 
+async def _watch(request: Request, target: trio.CancelScope, own: trio.CancelScope) -> None:
+    """Cancel `target` when the client disconnects (until `own` is cancelled)."""
+    with own:
+        await watch_disconnect(request, target)
+
+
 class ConnectRouter:
     """Serves the methods in `handlers` (keyed by path, e.g. /process.Process/Start)."""
 
-    def __init__(self, handlers: dict[str, Handler]) -> None:
+    def __init__(self, handlers: dict[str, Handler], *, watchers: trio.Nursery) -> None:
         self.handlers = handlers
+        # where the tasks that watch for a client going away live (a nursery
+        # per call would make the call wait for its watcher to end)
+        self._watchers = watchers
 
     def handles(self, path: str) -> bool:
         return path in METHODS_BY_PATH
@@ -170,27 +179,19 @@ class ConnectRouter:
     async def _run_bounded(self, ctx: CallContext, fn: Callable[[], Awaitable[Any]]) -> Any:
         """Run `fn()` under the call's deadline, cancelled if the client goes.
 
-        Returns its result, or None if it was cut off by either."""
-        outcome: list[tuple[bool, Any]] = []
-
-        async def runner(cancel: trio.CancelScope) -> None:
+        Returns its result, or None if it was cut off by either. `fn` runs in
+        this task; the watcher of the client runs in the router's nursery and
+        is cancelled, not waited for, when `fn` is done: no scheduling round
+        before the call or after it (each one a round trip through the
+        sandbox's kernel, under gVisor)."""
+        with trio.move_on_after(ctx.timeout if ctx.timeout is not None else float("inf")) as bound:
+            watcher = trio.CancelScope()
+            self._watchers.start_soon(_watch, ctx.request, bound, watcher)
             try:
-                outcome.append((True, await fn()))
-            except Exception as exc:
-                outcome.append((False, exc))
+                return await fn()
             finally:
-                cancel.cancel()
-
-        with trio.move_on_after(ctx.timeout if ctx.timeout is not None else float("inf")):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch_disconnect, ctx.request, nursery.cancel_scope)
-                nursery.start_soon(runner, nursery.cancel_scope)
-        if not outcome:
-            return None
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
+                watcher.cancel()
+        return None
 
     # ---------------------------------------------------------- streaming
 

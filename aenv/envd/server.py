@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+from typing import Any
 
 import trio
 from hypercorn.config import Config
@@ -42,22 +43,22 @@ def guard_hypercorn_h2() -> None:
         return
 
     async def _handle_events(self: H2Protocol, events: list[h2.events.Event]) -> None:
-        kept = []
-        opened: set[int] = set()
+        # Each DATA frame is checked just before it is handled: handling the
+        # events before it may open its stream, and may let the app answer
+        # and close it (an answer that does not wait for the body)
+        batch: list[h2.events.Event] = []
         for event in events:
-            if isinstance(event, h2.events.RequestReceived):
-                opened.add(event.stream_id)
-            elif (
-                isinstance(event, h2.events.DataReceived)
-                and event.stream_id not in self.streams
-                and event.stream_id not in opened
-            ):
-                self.connection.acknowledge_received_data(
-                    event.flow_controlled_length, event.stream_id
-                )
-                continue
-            kept.append(event)
-        await original(self, kept)
+            if isinstance(event, h2.events.DataReceived):
+                if batch:
+                    await original(self, batch)
+                    batch = []
+                if event.stream_id not in self.streams:
+                    self.connection.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                    continue
+            batch.append(event)
+        await original(self, batch)
 
     _handle_events._aenv_guarded = True  # type: ignore[attr-defined]
     H2Protocol._handle_events = _handle_events  # type: ignore[method-assign]
@@ -90,6 +91,93 @@ def guard_hypercorn_idle_close() -> None:
 
     _read_data._aenv_guarded = True  # type: ignore[attr-defined]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
+
+
+def coalesce_hypercorn_h11_writes() -> None:
+    """Write each ASGI message in one piece, and the headers with the first body.
+
+    Hypercorn 0.18 writes an HTTP/1.1 response's headers, each body chunk and
+    the chunked terminator in separate socket writes: a command's answer was
+    four (headers, `start`, `end`, terminator), each a system call, a
+    scheduling round and a segment the node's proxy wakes up for. Here the
+    bytes h11 makes for one ASGI message go out in one write; the headers
+    wait for the message after them (envd always writes a body right after
+    the start of a response: a Connect stream its first message). Anything
+    else hypercorn sends (the stream closing, an error) writes what is held
+    first, so the order on the wire is unchanged. HTTP/2 is left as it is.
+    """
+    import h11
+    from hypercorn.events import Closed, RawData
+    from hypercorn.protocol.events import Body, EndBody, Response
+    from hypercorn.protocol.h11 import H11Protocol
+    from hypercorn.protocol.http_stream import HTTPStream
+    from hypercorn.trio.tcp_server import TCPServer
+
+    original_app_send = HTTPStream.app_send
+    if getattr(original_app_send, "_aenv_guarded", False):
+        return
+    original_event = H11Protocol._send_h11_event
+    original_stream_send = H11Protocol.stream_send
+
+    async def flush(proto: H11Protocol) -> None:
+        held: list[bytes] | None = getattr(proto, "_aenv_held", None)
+        proto._aenv_held = None  # type: ignore[attr-defined]
+        if held and (data := b"".join(held)):
+            await proto.send(RawData(data=data))
+
+    async def _send_h11_event(self: H11Protocol, event: Any) -> None:
+        held: list[bytes] | None = getattr(self, "_aenv_held", None)
+        if held is None:
+            await original_event(self, event)
+            return
+        try:
+            held.append(self.connection.send(event) or b"")
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+
+    async def stream_send(self: H11Protocol, event: Any) -> None:
+        if not isinstance(event, Response | Body | EndBody):
+            await flush(self)
+        await original_stream_send(self, event)
+
+    async def app_send(self: HTTPStream, message: Any) -> None:
+        proto = getattr(self.send, "__self__", None)
+        if message is None or not isinstance(proto, H11Protocol):
+            await original_app_send(self, message)
+            return
+        if getattr(proto, "_aenv_held", None) is None:
+            proto._aenv_held = []  # type: ignore[attr-defined]
+        hold = False
+        try:
+            await original_app_send(self, message)
+            hold = message["type"] == "http.response.start"
+        finally:
+            if not hold:
+                await flush(proto)
+
+    original_protocol_send = TCPServer.protocol_send
+
+    async def protocol_send(self: TCPServer, event: Any) -> None:
+        # (uncontended, the lock is taken without yielding: the bytes go out a
+        # scheduling round sooner; otherwise, and for other events, as before)
+        if not isinstance(event, RawData) or self.send_lock.locked():
+            await original_protocol_send(self, event)
+            return
+        self.send_lock.acquire_nowait()
+        try:
+            with trio.CancelScope(shield=True):
+                await self.stream.send_all(event.data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.protocol.handle(Closed())
+        finally:
+            self.send_lock.release()
+
+    app_send._aenv_guarded = True  # type: ignore[attr-defined]
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+    H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
+    H11Protocol.stream_send = stream_send  # type: ignore[method-assign]
+    HTTPStream.app_send = app_send  # type: ignore[method-assign]
 
 
 def hypercorn_config(host: str, port: int, *, access_log: bool = False) -> Config:
@@ -130,6 +218,7 @@ async def serve_envd(
     large imports; forked here if not given)."""
     guard_hypercorn_h2()
     guard_hypercorn_idle_close()
+    coalesce_hypercorn_h11_writes()
     client = None
     if guard:
         try:

@@ -119,6 +119,7 @@ class SpawnerClient:
 
     def __init__(self, pid: int, sock: socket.socket) -> None:
         self.pid = pid
+        self._raw = sock
         self._sock = trio.socket.from_stdlib_socket(sock)
         self._lock = trio.Lock()
         self._reply: trio.MemorySendChannel[dict[str, Any]] | None = None
@@ -171,15 +172,23 @@ class SpawnerClient:
 
     async def _request(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """Send one request with `fds` (closed here, sent or not); its reply."""
-        async with self._lock:
+        # (uncontended, the lock is taken and the request sent without yielding:
+        # the spawner has it a scheduling round sooner)
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+        try:
             send, receive = trio.open_memory_channel[dict[str, Any]](1)
             self._reply = send
             try:
+                message = [marshal.dumps(req)]
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(fds))]
                 try:
-                    await self._sock.sendmsg(
-                        [marshal.dumps(req)],
-                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(fds))],
-                    )
+                    try:
+                        self._raw.sendmsg(message, rights)  # (non-blocking, set by trio)
+                    except BlockingIOError:
+                        await self._sock.sendmsg(message, rights)
                 finally:
                     for fd in fds:
                         os.close(fd)
@@ -193,6 +202,8 @@ class SpawnerClient:
                         os.kill(self.pid, signal.SIGCONT)  # (stopped by a user?)
             finally:
                 self._reply = None
+        finally:
+            self._lock.release()
 
     async def spawn(
         self,

@@ -176,16 +176,19 @@ async def forward_http(
                     }
                 )
                 started = True
-                # with a known length the last chunk ends the response (one send less)
+                # with a known length the last chunk ends the response (one send less),
+                # once the upstream response is done: its connection is back in the
+                # pool before the client, done too, can send its next request
                 left = _content_length(resp.headers)
+                last = b""
                 async for chunk in resp.aiter_raw():
                     if left is not None:
                         left -= len(chunk)
-                    await send(
-                        {"type": "http.response.body", "body": chunk, "more_body": left != 0}
-                    )
-                if left != 0:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                        if left == 0:
+                            last = chunk
+                            continue
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": last, "more_body": False})
             finally:
                 with trio.CancelScope(shield=True):
                     await resp.aclose()

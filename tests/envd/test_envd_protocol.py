@@ -347,6 +347,12 @@ async def test_files_http(envd: Envd, client: httpx.AsyncClient, home: Path) -> 
     assert r.status_code == 200
     assert sorted(e["path"] for e in r.json()) == [f"{home}/m/one.txt", f"{home}/m/two.txt"]
     assert (home / "m" / "two.txt").read_bytes() == b"22"
+    # a file this small is not worth compressing: sent as is, with its length
+    r = await client.get(
+        base + "/files", params={"path": f"{home}/m/two.txt"}, headers={"accept-encoding": "gzip"}
+    )
+    assert r.status_code == 200 and r.content == b"22"
+    assert "content-encoding" not in r.headers and r.headers["content-length"] == "2"
     payload = os.urandom(300_000)
     r = await client.post(
         base + "/files",
