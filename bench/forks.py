@@ -581,6 +581,24 @@ def _restore_span(child: dict[str, float]) -> tuple[float, float]:
     return end - child.get("restore", 0.0), end
 
 
+def _cpu_line(profiles: list[dict[str, Any]], own: str, own_key: str) -> str:
+    """The CPU seconds of fork(20) calls (median): the host's, the children's
+    sandboxes' and what the caller ran itself (`own`, under `own_key`)."""
+    med = statistics.median
+    cpus = os.cpu_count() or 1
+    return (
+        "  CPU s: host busy {:.2f} ({:.0f}% of {} CPUs over the call), children's "
+        "sandboxes {:.2f}, {} {:.2f}".format(
+            med(p["host_busy_s"] for p in profiles),
+            100 * med(p["host_busy_s"] / (p["ms"] / 1000) for p in profiles) / cpus,
+            cpus,
+            med(p["children_cpu_s"] for p in profiles),
+            own,
+            med(p.get(own_key, 0.0) for p in profiles),
+        )
+    )
+
+
 def profile(profiles: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The fork(20) profile's lines: aenv's children against the floor's restores
     (medians over the samples; ms after the call began, CPU in seconds)."""
@@ -609,18 +627,7 @@ def profile(profiles: dict[str, list[dict[str, Any]]]) -> list[str]:
                 )
             )
             lines.append(f"  restores at once, at most: {med(_overlap(sp) for sp in spans):.0f}")
-        lines.append(
-            "  CPU s: host busy {:.2f} ({:.0f}% of {} CPUs over the call), children's "
-            "sandboxes {:.2f}, node process (with its reaped children) {:.2f}".format(
-                med(p["host_busy_s"] for p in aenv),
-                100
-                * med(p["host_busy_s"] / (p["ms"] / 1000) for p in aenv)
-                / (os.cpu_count() or 1),
-                os.cpu_count(),
-                med(p["children_cpu_s"] for p in aenv),
-                med(p["node_cpu_s"] for p in aenv),
-            )
-        )
+        lines.append(_cpu_line(aenv, "node process (with its reaped children)", "node_cpu_s"))
     if floor:
         lines.append("fork(20) profile, floor (checkpoint + 20 restores):")
         lines.append(
@@ -631,18 +638,7 @@ def profile(profiles: dict[str, list[dict[str, Any]]]) -> list[str]:
                 med(max(b for _, b in p["restores"]) for p in floor),
             )
         )
-        lines.append(
-            "  CPU s: host busy {:.2f} ({:.0f}% of {} CPUs over the call), children's "
-            "sandboxes {:.2f}, runsc's CLIs (checkpoint, restores) {:.2f}".format(
-                med(p["host_busy_s"] for p in floor),
-                100
-                * med(p["host_busy_s"] / (p["ms"] / 1000) for p in floor)
-                / (os.cpu_count() or 1),
-                os.cpu_count(),
-                med(p["children_cpu_s"] for p in floor),
-                med(p.get("clis_cpu_s", 0.0) for p in floor),
-            )
-        )
+        lines.append(_cpu_line(floor, "runsc's CLIs (checkpoint, restores)", "clis_cpu_s"))
     return lines
 
 
