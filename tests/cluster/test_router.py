@@ -33,6 +33,7 @@ from hypercorn.trio import serve
 from aenv.cluster.router import ClusterRouter, Peer
 from aenv.kit.asgiforward import ForwardingClient, Receive, Scope, Send
 from aenv.proto.clusterroute import HOP_HEADER
+from tests.asgiapps import lifespan
 
 HERE_SID = "aaaaaaaaaaaaaaaahere"
 THERE_SID = "bbbbbbbbbbbbbbbbther"
@@ -47,11 +48,8 @@ CRAMPED_SID = "hhhhhhhhhhhhhhhhhere"  # paused here, where there is no memory to
 def _echo_app(name: str, *, refuse_creates: bool = False) -> Any:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
+            await lifespan(receive, send)
+            return
         if scope["type"] == "websocket":
             await receive()
             await send({"type": "websocket.accept"})

@@ -23,16 +23,14 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve
 
 from aenv.kit.asgiforward import ForwardingClient, Message, Receive, Scope, Send, forward_http
+from tests.asgiapps import lifespan
 
 
 async def _upstream(scope: Scope, receive: Receive, send: Send) -> None:
     """Answers each request with the port its connection came from, of known length."""
     if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            await send({"type": msg["type"] + ".complete"})
-            if msg["type"] == "lifespan.shutdown":
-                return
+        await lifespan(receive, send)
+        return
     body = str(scope["client"][1]).encode().rjust(64)  # a small fixed-length body
     await send(
         {
