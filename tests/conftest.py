@@ -124,8 +124,40 @@ def start_node(
     tls_ca: Path | None = None,
 ) -> NodeProc:
     """Start `aenv serve` and wait for /health; with `tls_ca` the node serves TLS
-    (its AENV_TLS_* in `extra_env`) and is checked against that CA."""
+    (its AENV_TLS_* in `extra_env`) and is checked against that CA.
+
+    The port is one the kernel had free a moment before; another socket can
+    take it before the node binds it (a client's connection gets its local port
+    from the same range), so a node that finds it in use is started again on
+    another, at most three times."""
+    for attempt in range(3):
+        try:
+            return _start_node_once(home, api_key, log_path, extra_env, tls_ca)
+        except _PortTaken as taken:
+            if attempt == 2:
+                raise RuntimeError(f"node found its port in use three times:\n{taken}") from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _log_since(log_path: Path, start: int) -> str:
+    with log_path.open("rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace")[-4000:]
+
+
+def _start_node_once(
+    home: Path,
+    api_key: str,
+    log_path: Path,
+    extra_env: dict[str, str] | None,
+    tls_ca: Path | None,
+) -> NodeProc:
     port = free_port()
+    start = log_path.stat().st_size if log_path.exists() else 0
     env = dict(os.environ)
     env.update(
         {
@@ -163,9 +195,10 @@ def start_node(
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"node exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
-            )
+            log = _log_since(log_path, start)
+            if "Address already in use" in log:
+                raise _PortTaken(log)
+            raise RuntimeError(f"node exited with {proc.returncode}:\n{log}")
         try:
             if httpx.get(f"{url}/health", timeout=1, verify=verify).status_code == 200:
                 return NodeProc(url, api_key, home, proc, log_path)
