@@ -294,8 +294,9 @@ class GVisorSandbox:
         # a thaw is one write the kernel answers at once: done on the event loop (a
         # worker thread per thaw costs a thread start in a burst, when the thread
         # cache has gone idle: the loop waits for the scheduler to run it)
-        if not self._cgroups.thawed_at_once():
-            await trio.to_thread.run_sync(self._cgroups.set_frozen, False)
+        pending = self._cgroups.thaw_at_once()
+        if pending is not None:  # (not reported thawed yet: waited for in a thread)
+            await trio.to_thread.run_sync(_wait_reached, pending)
         if self._runsc_paused:
             await self._runtime._runsc_logged(
                 _PAUSE_TIMEOUT, self.spec, "resume", self.sandbox_id, private_netfs=False
@@ -893,6 +894,13 @@ def oci_config(spec: SandboxSpec, *, cgroups_path: str) -> dict[str, Any]:
     }
 
 
+def _wait_reached(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait (blocking) until the freezer reports its new state, at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not done():
+        time.sleep(0.001)
+
+
 class _Cgroups:
     """The sandbox's cgroup on the host: v1 (one dir per controller) or v2 (unified)."""
 
@@ -938,17 +946,16 @@ class _Cgroups:
         done = self._freezer_write(frozen)
         if done is None:
             return False
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and not done():
-            time.sleep(0.001)
+        _wait_reached(done)
         return True
 
-    def thawed_at_once(self) -> bool:
-        """Thaw with one write and one read, for the event loop (no waiting): True if
-        the kernel reports the cgroup thawed at once (as it does for a thaw, which
-        wakes the tasks and returns), else False (`set_frozen(False)` then)."""
+    def thaw_at_once(self) -> Callable[[], bool] | None:
+        """Thaw with one write and one read, for the event loop (no waiting): None
+        if the kernel reports the cgroup thawed at once (as it does for a thaw,
+        which wakes the tasks and returns) or the write failed (best effort, as
+        `set_frozen`); else the check to wait on (`_wait_reached`)."""
         done = self._freezer_write(False)
-        return done is not None and done()
+        return None if done is None or done() else done
 
     def _freezer_write(self, frozen: bool) -> Callable[[], bool] | None:
         """Write the freezer's new state; whether the kernel reports it reached (a
