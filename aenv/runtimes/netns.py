@@ -376,10 +376,8 @@ class HostNetwork:
         async with self._owned(slot):
             # its rules written again in one transaction whatever the policy: the
             # host's network may have been damaged since the spare was made (the
-            # table flushed, say), and a create mends what it finds (`set_policy`)
-            await self.set_policy(slot, policy)
-            self._policy_updates -= 1  # (not the caller's update)
-            self._policies[slot.index] = policy
+            # table flushed, say), and a create mends what it finds
+            await self._rewrite_rules(slot, policy)
             self._opened_total += 1
             yield slot
 
@@ -518,17 +516,19 @@ class HostNetwork:
         """
         if self._open.get(slot.index) != slot or self._closed:
             raise RuntimeError(f"network slot {slot.index} is not open")
+        await self._rewrite_rules(slot, policy)
+        self._policy_updates += 1
+
+    async def _rewrite_rules(self, slot: NetSlot, policy: EgressPolicy) -> None:
+        """Write the slot's rules for `policy` again; if that fails on a host
+        network damaged under the node, mend it and write them once more."""
         repairs = self._repair_gen
         try:
-            await self._apply_policy(slot, policy)
+            await self._rules_commit.submit((slot, policy, False))
         except NetworkSetupError:
             if not await self._repaired_since(repairs):
                 raise
-            await self._apply_policy(slot, policy)
-        self._policy_updates += 1
-
-    async def _apply_policy(self, slot: NetSlot, policy: EgressPolicy) -> None:
-        await self._rules_commit.submit((slot, policy, False))
+            await self._rules_commit.submit((slot, policy, False))
 
     async def _write_rules(self, batch: Sequence[tuple[NetSlot, EgressPolicy, bool]]) -> None:
         """Slots' rules in one transaction (`_rules_commit`, under the nft lock):
