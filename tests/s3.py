@@ -23,6 +23,7 @@ key prefix); `s3_faulty` gives a test its own server to stop and restart.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +32,8 @@ from typing import Any
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
+
+from aenv.storage.objstore import MiB, ObjectStore, RetryPolicy, open_object_store
 
 ACCESS_KEY = "test"
 SECRET_KEY = "test"
@@ -220,3 +223,25 @@ def s3_faulty() -> Iterator[MotoS3]:
         yield server
     finally:
         server.stop()
+
+
+# retries short enough for a test that stops its server on purpose
+FAST_RETRY = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05, transport_retries=0)
+
+
+def s3_store(
+    server: MotoS3,
+    *,
+    retry: RetryPolicy = FAST_RETRY,
+    part_size: int = 8 * MiB,
+    part_concurrency: int = 4,
+) -> ObjectStore:
+    """An object store on `server` under a prefix of its own."""
+    return open_object_store(
+        server.url(f"t/{secrets.token_hex(6)}"),
+        config=server.config(),
+        client_options={"allow_http": True},
+        retry=retry,
+        part_size=part_size,
+        part_concurrency=part_concurrency,
+    )

@@ -6,7 +6,6 @@ must never do is fail or hang because a warm-up could not be done.
 
 from __future__ import annotations
 
-import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +15,7 @@ import trio
 
 from aenv.node import primer
 from aenv.runtimes.gvisor import GVisorRuntime
-from aenv.storage.objstore import ObjectStore, RetryPolicy, open_object_store
-from tests.s3 import MotoS3
-
-FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05, transport_retries=0)
+from tests.s3 import MotoS3, s3_store
 
 
 @pytest.fixture
@@ -31,15 +27,6 @@ def moto() -> Iterator[MotoS3]:
         yield server
     finally:
         server.stop()
-
-
-def _store(server: MotoS3) -> ObjectStore:
-    return open_object_store(
-        server.url(f"t/{secrets.token_hex(6)}"),
-        config=server.config(),
-        client_options={"allow_http": True},
-        retry=FAST,
-    )
 
 
 @pytest.mark.skipif(shutil.which("runsc") is None, reason="needs runsc")
@@ -70,7 +57,7 @@ async def test_a_configured_flag_is_kept(tmp_path: Path) -> None:
 
 
 async def test_warm_store_opens_connections_without_writing(moto: MotoS3) -> None:
-    store = _store(moto)
+    store = s3_store(moto)
     await primer.warm_store(store)
     stats = store.statistics()
     assert (stats.requests, stats.errors, stats.bytes_uploaded) == (
@@ -82,7 +69,7 @@ async def test_warm_store_opens_connections_without_writing(moto: MotoS3) -> Non
 
 
 async def test_warm_store_gives_up_quietly_on_a_store_that_is_down(moto: MotoS3) -> None:
-    store = _store(moto)
+    store = s3_store(moto)
     moto.stop()
     with trio.fail_after(primer.WARM_TIMEOUT_S + 5):
         await primer.warm_store(store)  # no error: the first restore meets it, as before

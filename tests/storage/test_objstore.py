@@ -38,9 +38,9 @@ from aenv.storage.objstore import (
 
 # Fixtures are imported by name, so test parameters shadow them (F811).
 # ruff: noqa: F811
-from tests.s3 import MotoS3, s3_faulty, s3_server  # noqa: F401
+from tests.s3 import FAST_RETRY, MotoS3, s3_faulty, s3_server, s3_store  # noqa: F401
 
-FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05, transport_retries=0)
+FAST = FAST_RETRY
 
 
 @dataclass
@@ -48,23 +48,6 @@ class Backend:
     store: ObjectStore
     tamper: Callable[[str, bytes], None]  # overwrite a key behind the store's back
     s3: bool
-
-
-def s3_store(
-    server: MotoS3,
-    *,
-    retry: RetryPolicy = FAST,
-    part_size: int = 8 * MiB,
-    part_concurrency: int = 4,
-) -> ObjectStore:
-    return open_object_store(
-        server.url(f"t/{secrets.token_hex(6)}"),
-        config=server.config(),
-        client_options={"allow_http": True},
-        retry=retry,
-        part_size=part_size,
-        part_concurrency=part_concurrency,
-    )
 
 
 @pytest.fixture(params=["local", "s3"])

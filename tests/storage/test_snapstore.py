@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import os
-import secrets
 import stat
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from aenv.storage.snapstore import (
 
 # Fixtures are imported by name, so test parameters shadow them (F811).
 # ruff: noqa: F811
-from tests.s3 import MotoS3, s3_faulty, s3_server  # noqa: F401
+from tests.s3 import MotoS3, s3_faulty, s3_server, s3_store  # noqa: F401
 
 FAST = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.05, transport_retries=0)
 
@@ -63,15 +62,6 @@ class Backend:
     store: ObjectStore
     tamper: Callable[[str, bytes], None]
     list_keys: Callable[[], list[str]]
-
-
-def _s3(server: MotoS3) -> ObjectStore:
-    return open_object_store(
-        server.url(f"snap/{secrets.token_hex(6)}"),
-        config=server.config(),
-        client_options={"allow_http": True},
-        retry=FAST,
-    )
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -90,7 +80,7 @@ async def backend(
 
         yield Backend(store, tamper_local, keys_local)
     else:
-        store = _s3(s3_server)
+        store = s3_store(s3_server, retry=FAST)
         prefix = store.where.split(" ")[0].split("/", 3)[3]
         client = s3_server.boto()
 
@@ -250,7 +240,7 @@ async def test_shared_content_is_uploaded_once(backend: Backend, tmp_path: Path)
 
 
 async def test_a_snapshot_is_listed_only_once_complete(s3_faulty: MotoS3, tmp_path: Path) -> None:
-    store = _s3(s3_faulty)
+    store = s3_store(s3_faulty, retry=FAST)
     image, sums = image_dir(tmp_path, 6 * MiB)
     s3_faulty.kill_after(10)  # dies after the pending manifest, the HEADs, two chunks
     with pytest.raises(StoreUnavailable):
