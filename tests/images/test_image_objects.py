@@ -34,7 +34,7 @@ from aenv.storage.snapstore import LocalLayer, collect_garbage, upload_snapshot
 # Fixtures are imported by name, so test parameters shadow them (F811).
 # ruff: noqa: F811
 from tests.registry import LocalRegistry, PushedImage, push_big_image
-from tests.s3 import MotoS3, s3_faulty  # noqa: F401
+from tests.s3 import MotoS3, s3_faulty, s3_store  # noqa: F401
 
 MiB = 1 << 20
 FAST = StoreRetry(attempts=2, base_delay=0.01, max_delay=0.05, transport_retries=0)
@@ -154,12 +154,7 @@ async def test_a_pull_with_the_store_down_succeeds_and_uploads_later(
 ) -> None:
     monkeypatch.setattr(objects, "UPLOAD_BACKOFF", Backoff(base_s=0.5, max_s=0.5))
     img = push_small(registry, "down", seed=3)
-    objs = open_object_store(
-        s3_faulty.url(f"t/{secrets.token_hex(4)}"),
-        config=s3_faulty.config(),
-        client_options={"allow_http": True},
-        retry=FAST,
-    )
+    objs = s3_store(s3_faulty, retry=FAST)
     s3_faulty.stop()
     async with image_node(tmp_path / "a", objs) as a:
         with trio.fail_after(20):
